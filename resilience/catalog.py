@@ -1,0 +1,132 @@
+"""Finding checkpoints in the tiers and deciding which ones can be trusted.
+
+A checkpoint is a candidate only with a manifest; it is trusted only once every file the manifest lists is
+present at its size, and the checksums that the chosen level asks for match. Anything else is skipped with
+the reason, and the next older checkpoint is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from resilience.errors import CorruptCheckpointError
+from resilience.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_stream
+from resilience.storage import Tier
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Entry:
+    """One ``step-<N>`` directory in one tier; ``manifest`` is None when it is not (validly) committed."""
+
+    step: int
+    tier: Tier
+    path: str
+    manifest: Manifest | None
+    problem: str | None = None
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    def where(self) -> str:
+        return f"step {self.step} in the {self.tier.name} tier ({self.tier.display(self.path)})"
+
+
+def scan(tier: Tier) -> list[Entry]:
+    """Every step directory of ``tier``, newest first, with its manifest parsed and validated."""
+    entries = []
+    for step, path in sorted(tier.list_steps().items(), reverse=True):
+        manifest_path = f"{path}/{MANIFEST_NAME}"
+        try:
+            data = tier.read_bytes(manifest_path)
+        except FileNotFoundError:
+            entries.append(Entry(step, tier, path, None, "not committed (no manifest)"))
+            continue
+        try:
+            manifest = Manifest.from_json(data, where=tier.display(manifest_path), expected_step=step)
+        except CorruptCheckpointError as exc:
+            entries.append(Entry(step, tier, path, None, str(exc)))
+            continue
+        entries.append(Entry(step, tier, path, manifest))
+    return entries
+
+
+def verify(
+    entry: Entry,
+    *,
+    full: bool,
+    share: tuple[int, int] = (0, 1),
+    progress: Progress | None = None,
+) -> None:
+    """Raise :class:`CorruptCheckpointError` unless ``entry``'s files match its manifest.
+
+    Sizes are always checked; checksums of the small pickled/JSON files always, those of shards when
+    ``full``. ``share=(i, n)`` checksums only every n-th file starting at i, so ranks can split the work.
+    """
+    if entry.manifest is None:
+        raise CorruptCheckpointError(f"{entry.where()} is {entry.problem}", step=entry.step, tier=entry.tier.name)
+    sizes = entry.tier.file_sizes(entry.path)
+    for item in entry.manifest.files:
+        if item.path not in sizes:
+            raise _corrupt(entry, item, "is missing")
+        if sizes[item.path] != item.size:
+            raise _corrupt(entry, item, f"is {sizes[item.path]} bytes, the manifest says {item.size}")
+    to_hash = [item for item in entry.manifest.files if full or item.kind != "shard"]
+    mine = to_hash[share[0] :: share[1]]
+    done = 0
+    for item in mine:
+        check_file(entry, item)
+        done += item.size
+        if progress is not None:
+            progress(done, sum(i.size for i in mine))
+
+
+def check_file(entry: Entry, item: FileEntry) -> None:
+    with entry.tier.open(f"{entry.path}/{item.path}") as stream:
+        digest, size = hash_stream(stream)
+    if size != item.size:
+        raise _corrupt(entry, item, f"reads {size} bytes, the manifest says {item.size}")
+    if digest != item.xxh3_64:
+        raise _corrupt(entry, item, f"has checksum {digest}, the manifest says {item.xxh3_64}")
+
+
+def _corrupt(entry: Entry, item: FileEntry, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{entry.where()}: file {item.path} {what}",
+        step=entry.step,
+        tier=entry.tier.name,
+        path=item.path,
+    )
+
+
+def candidates(tiers: Iterable[Tier | None]) -> list[Entry]:
+    """Committed, loadable entries of all tiers, newest step first; the local tier first within a step.
+
+    A local-tier manifest written for one node's part only (node-local disks) is not loadable by itself.
+    """
+    found = [entry for tier in tiers if tier is not None for entry in scan(tier)]
+    usable = [e for e in found if e.manifest is not None and e.manifest.is_global]
+    order = {"local": 0, "durable": 1}
+    return sorted(usable, key=lambda e: (-e.step, order.get(e.tier.name, 2)))
+
+
+def first_verified(
+    entries: Sequence[Entry],
+    check: Callable[[Entry], str | None],
+    warn: Callable[[str], None],
+) -> Entry | None:
+    """The first entry ``check`` finds no problem with; each rejection is reported through ``warn``."""
+    for index, entry in enumerate(entries):
+        problem = check(entry)
+        if problem is None:
+            return entry
+        after = next((e for e in entries[index + 1 :]), None)
+        fallback = f"trying {after.where()}" if after else "no older committed checkpoint is left"
+        warn(f"Skipping {entry.where()}: {problem}; {fallback}")
+    return None

@@ -1,0 +1,173 @@
+"""The ``resilience`` command: look at and check checkpoints without starting a training job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from resilience import catalog
+from resilience.errors import ResilienceError
+from resilience.storage import Tier
+
+Command = Callable[[argparse.Namespace], int]
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+
+
+def register(add_parser: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Let another module add a subcommand (``add_parser(subparsers)``); used by the report module."""
+    _EXTRA_COMMANDS.append(add_parser)
+    return add_parser
+
+
+def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--storage-option {pair!r}: use NAME=VALUE, e.g. endpoint_url=http://127.0.0.1:9000")
+        try:
+            options[name] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name] = value
+    return options
+
+
+def _tiers(args: argparse.Namespace) -> list[Tier]:
+    options = _storage_options(args.storage_option)
+    tiers = []
+    for root in args.roots:
+        tier = Tier("local" if "://" not in root or root.startswith("file://") else "durable", root, options)
+        tier.check_readable()
+        tiers.append(tier)
+    return tiers
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    rows = []
+    for tier in _tiers(args):
+        for entry in catalog.scan(tier):
+            manifest = entry.manifest
+            rows.append(
+                {
+                    "step": entry.step,
+                    "committed": manifest is not None,
+                    "scope": None if manifest is None else ("all ranks" if manifest.is_global else "node"),
+                    "world_size": None if manifest is None else manifest.world_size,
+                    "bytes": sum(tier.file_sizes(entry.path).values()) if manifest is None else manifest.total_bytes,
+                    "created": None if manifest is None else _iso(manifest.created_unix),
+                    "tier": tier.name,
+                    "path": tier.display(entry.path),
+                    "problem": entry.problem,
+                }
+            )
+    rows.sort(key=lambda r: (-r["step"], r["tier"]))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no checkpoints found")
+        return 0
+    print(f"{'STEP':>8}  {'STATUS':<11}  {'WORLD':>5}  {'SIZE':>10}  {'CREATED':<20}  {'TIER':<7}  PATH")
+    for r in rows:
+        status = "committed" if r["committed"] else "incomplete"
+        print(
+            f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {_size(r['bytes']):>10}  "
+            f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}"
+            + (f"  ({r['problem']})" if r["problem"] else "")
+        )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    entries = [e for tier in _tiers(args) for e in catalog.scan(tier)]
+    if args.step is not None:
+        entries = [e for e in entries if e.step == args.step]
+        if not entries:
+            print(f"FAIL no checkpoint of step {args.step} under {', '.join(args.roots)}")
+            return 1
+    elif not entries:
+        print(f"FAIL no checkpoints under {', '.join(args.roots)}")
+        return 1
+    failed = 0
+    for entry in entries:
+        progress = _progress_printer(entry.where()) if args.progress else None
+        try:
+            catalog.verify(entry, full=not args.quick, progress=progress)
+        except ResilienceError as exc:
+            failed += 1
+            print(f"FAIL {exc}")
+            continue
+        assert entry.manifest is not None
+        print(f"OK   {entry.where()}: {len(entry.manifest.files)} files, {_size(entry.manifest.total_bytes)}")
+    return 1 if failed else 0
+
+
+def _progress_printer(label: str) -> Callable[[int, int], None]:
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5 or done == total:
+            last[0] = now
+            pct = 100.0 * done / total if total else 100.0
+            print(f"  {label}: {pct:5.1f}% ({_size(done)} of {_size(total)})", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="resilience", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_roots(p: argparse.ArgumentParser) -> None:
+        p.add_argument("roots", nargs="+", metavar="ROOT", help="local checkpoint directory or fsspec URL")
+        p.add_argument(
+            "--storage-option", action="append", default=[], metavar="NAME=VALUE",
+            help="fsspec option for URL roots (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+        )
+
+    ls = sub.add_parser("ls", help="list checkpoints: step, committed or not, world size, size, time, tier")
+    with_roots(ls)
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=cmd_ls)
+
+    verify = sub.add_parser("verify", help="check files against manifests; exit 0 only if all verify")
+    with_roots(verify)
+    verify.add_argument("--step", type=int, help="only this step")
+    verify.add_argument("--quick", action="store_true", help="sizes only for shards (checksums of small files)")
+    verify.add_argument("--progress", action="store_true", help="show checksum progress on stderr")
+    verify.set_defaults(func=cmd_verify)
+
+    for add in _EXTRA_COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ResilienceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Settings of the checkpoint engine, checked when they are made rather than at the first save."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from resilience.errors import ConfigError
+
+WhenBusy = Literal["wait", "skip"]
+VerifyLevel = Literal["size", "full"]
+OnUploadError = Literal["raise", "warn"]
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go and how the background pipeline behaves.
+
+    Args:
+        local_root: Directory of the fast tier (node-local NVMe, or a shared file system). Each checkpoint is
+            written to ``<local_root>/step-<N>/`` and counts once its ``manifest.json`` is there.
+        durable_url: Optional fsspec URL of the durable tier (``s3://bucket/run``, ``gs://...``, ``file:///...``,
+            ``memory://...``). Committed local checkpoints are uploaded there in the background.
+        storage_options: Keyword arguments for the durable tier's fsspec filesystem (``endpoint_url``, ``key``,
+            ...). They are never written to logs, manifests or reports.
+        keep_last: How many newest committed checkpoints each tier keeps (at least 2: the newest may still be
+            uploading or be the one a crash interrupts).
+        keep_every: Also keep every checkpoint whose step is a multiple of this (milestones).
+        when_busy: What a save does while the previous one is still being staged or written: ``"wait"`` for it,
+            or ``"skip"`` the new one (counted and warned).
+        async_staging: Copy the state to host memory in the background; the caller must then call
+            ``wait_for_staging()`` before it next changes the state (before ``optimizer.step()``).
+        pin_memory: Page-lock the host buffers (default: when the state holds CUDA tensors).
+        fsync: Flush shards and manifest to stable storage before the local commit.
+        write_threads: Files per rank written in parallel by DCP.
+        upload_concurrency: Files uploaded at once per rank.
+        upload_retries: Attempts per file beyond the first before the upload fails.
+        upload_backoff_s: First retry delay; doubles per attempt (with jitter), capped at 30 s.
+        on_upload_error: ``"raise"`` stops training at the next save with the upload's error; ``"warn"`` keeps
+            training on the local tier and logs the error.
+        verify: What discovery checks before it trusts a checkpoint: ``"size"`` (every file present with its
+            size, and checksums of the small pickled/JSON files) or ``"full"`` (checksums of every file).
+        allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from
+            storage runs code when loaded.
+        collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
+        local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one host).
+    """
+
+    local_root: str | os.PathLike[str]
+    durable_url: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    keep_last: int = 3
+    keep_every: int | None = None
+    when_busy: WhenBusy = "wait"
+    async_staging: bool = False
+    pin_memory: bool | None = None
+    fsync: bool = True
+    write_threads: int = 1
+    upload_concurrency: int = 8
+    upload_retries: int = 5
+    upload_backoff_s: float = 0.5
+    on_upload_error: OnUploadError = "raise"
+    verify: VerifyLevel = "size"
+    allow_pickle: bool = False
+    collective_timeout_s: float = 600.0
+    local_shared: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.local_root = os.fspath(self.local_root)
+        if not self.local_root:
+            raise ConfigError("local_root is empty: give a directory for the fast checkpoint tier")
+        if self.keep_last < 2:
+            raise ConfigError(
+                f"keep_last={self.keep_last} would leave no checkpoint while the newest is still being written "
+                "or uploaded: use keep_last >= 2"
+            )
+        if self.keep_every is not None and self.keep_every < 1:
+            raise ConfigError(f"keep_every={self.keep_every}: use a positive step count, or None for no milestones")
+        _check_choice("when_busy", self.when_busy, ("wait", "skip"))
+        _check_choice("verify", self.verify, ("size", "full"))
+        _check_choice("on_upload_error", self.on_upload_error, ("raise", "warn"))
+        for name in ("write_threads", "upload_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: use 1 or more")
+        if self.upload_retries < 0 or self.upload_backoff_s < 0 or self.collective_timeout_s <= 0:
+            raise ConfigError(
+                "upload_retries and upload_backoff_s must be >= 0 and collective_timeout_s > 0 "
+                f"(got {self.upload_retries}, {self.upload_backoff_s}, {self.collective_timeout_s})"
+            )
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")

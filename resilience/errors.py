@@ -1,0 +1,51 @@
+"""Exceptions raised by the engine.
+
+Every message names the problem and the fix; background failures carry the step, file and tier they
+happened in so that the training thread can say exactly what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class ResilienceError(Exception):
+    """Base class for all errors raised by this package."""
+
+
+class ConfigError(ResilienceError, ValueError):
+    """A setting cannot work (unknown URL scheme, unwritable root, ``keep_last < 2``, ...)."""
+
+
+class CheckpointExistsError(ResilienceError, FileExistsError):
+    """A save targets a step that is already committed; committed checkpoints are never overwritten."""
+
+
+class CheckpointError(ResilienceError):
+    """A save, upload or load failed; raised on the training thread with where it happened."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        tier: str | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        where = [
+            f"{name}={value}"
+            for name, value in (("step", step), ("tier", tier), ("file", path), ("rank", rank))
+            if value is not None
+        ]
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.step = step
+        self.tier = tier
+        self.path = path
+        self.rank = rank
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's manifest or files do not match: missing, truncated, altered or hostile."""
+
+
+class NoCheckpointError(ResilienceError, FileNotFoundError):
+    """No committed checkpoint that verifies was found where one was asked for."""

@@ -1,0 +1,236 @@
+"""Reading a committed checkpoint back into a state tree, on any number of ranks.
+
+DCP reshards: tensors given in the target (plain or DTensor) are filled in place with the part this rank
+needs; tensors the target does not have are allocated whole on CPU from DCP's metadata. Everything read
+from storage is checked before it is parsed: the manifest is validated JSON, ``.metadata`` must match its
+checksum and is unpickled with an allow-list of DCP's own classes, shards are read by ``torch.load`` with
+``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from resilience.catalog import Entry
+from resilience.errors import CheckpointError, CorruptCheckpointError
+from resilience.manifest import Manifest, hash_bytes
+from resilience.storage import Tier
+from resilience.tree import flatten, tensor_keys, unflatten
+
+DCP_METADATA = ".metadata"
+STATE_FILE = "state.json"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank-{rank}.json"
+
+
+def rank_prefix(rank: int) -> str:
+    return f"__rank{rank}__/"
+
+
+@dataclass
+class Restored:
+    """What :meth:`CheckpointManager.load` gives back."""
+
+    step: int
+    state: Any
+    rank_state: Any
+    manifest: Manifest
+    tier: str
+    path: str
+
+
+# ---- safe reads --------------------------------------------------------------------------------------------
+
+
+def read_verified(entry: Entry, name: str) -> bytes:
+    """The bytes of a small file of the checkpoint, after its size and checksum match the manifest."""
+    assert entry.manifest is not None
+    item = entry.manifest.file(name)
+    if item is None:
+        raise CorruptCheckpointError(f"{entry.where()}: the manifest does not list {name}", step=entry.step)
+    data = entry.tier.read_bytes(f"{entry.path}/{name}")
+    if len(data) != item.size or hash_bytes(data) != item.xxh3_64:
+        raise CorruptCheckpointError(
+            f"{entry.where()}: {name} does not match its size/checksum in the manifest",
+            step=entry.step,
+            tier=entry.tier.name,
+            path=name,
+        )
+    return data
+
+
+_DCP_METADATA_CLASSES = (
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "Metadata",
+    "MetadataIndex",
+    "StorageMeta",
+    "TensorProperties",
+    "TensorStorageMetadata",
+    "_MEM_FORMAT_ENCODING",
+)
+_ALLOWED_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_CLASSES),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` with an exact allow-list: DCP's metadata classes, dtypes, sizes, paths.
+
+    Anything else (a function to call, a class with side effects) is refused, so even a tampered file
+    with a matching checksum cannot run code here.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+def load_dcp_metadata(entry: Entry) -> Metadata:
+    data = read_verified(entry, DCP_METADATA)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata is not readable ({exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata holds a {type(metadata).__name__}")
+    return metadata
+
+
+def load_skeleton(entry: Entry, name: str) -> Any:
+    try:
+        return json.loads(read_verified(entry, name))
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(f"{entry.where()}: {name} is not JSON ({exc})") from exc
+
+
+# ---- DCP plumbing ------------------------------------------------------------------------------------------
+
+
+class _TierFileSystem(FileSystemBase):
+    """DCP's file-system interface, for reading only, over a tier's fsspec filesystem."""
+
+    def __init__(self, tier: Tier):
+        self.tier = tier
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise ValueError("checkpoint tiers are opened read-only while loading")
+        with self.tier.open(os.fspath(path)) as stream:
+            yield stream  # type: ignore[misc]
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        return f"{os.fspath(path)}/{suffix}"
+
+    def init_path(self, path: str | os.PathLike[str]) -> str:
+        return os.fspath(path)
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        return self.tier.exists(os.fspath(path))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        raise NotImplementedError
+
+
+class _VerifiedReader(FileSystemReader):
+    """A FileSystemReader over a tier that hands DCP the metadata already read and checked."""
+
+    def __init__(self, entry: Entry, metadata: Metadata):
+        super().__init__(entry.path)
+        self.fs = _TierFileSystem(entry.tier)
+        self.path = entry.path
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+
+def load_entry(
+    entry: Entry,
+    target: Any,
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    allow_pickle: bool,
+    want_rank_state: bool = True,
+) -> Restored:
+    """Load ``entry`` (every rank calls this together when distributed)."""
+    assert entry.manifest is not None
+    metadata = load_dcp_metadata(entry)
+    skeleton = load_skeleton(entry, STATE_FILE)
+    rank_skeleton = None
+    if want_rank_state and entry.manifest.file(rank_state_file(rank)) is not None:
+        rank_skeleton = load_skeleton(entry, rank_state_file(rank))
+
+    wanted = tensor_keys(skeleton) + (tensor_keys(rank_skeleton) if rank_skeleton is not None else [])
+    given = flatten(target).tensors if target is not None else {}
+    missing = [key for key in given if key not in metadata.state_dict_metadata]
+    if missing:
+        raise CheckpointError(
+            f"{entry.where()} has no tensor for {len(missing)} key(s) of the target, e.g. {missing[:3]}: "
+            "load into a state with the same structure as the saved one",
+            step=entry.step,
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for key in wanted:
+        if key in given:
+            tensors[key] = given[key]
+            continue
+        md = metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(f"{entry.where()}: no tensor {key!r} in DCP metadata", step=entry.step)
+        tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    try:
+        dcp.load(
+            tensors,
+            storage_reader=_VerifiedReader(entry, metadata),
+            process_group=group,
+            no_dist=group is None,
+        )
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"Reading {entry.where()} failed: {exc}", step=entry.step, tier=entry.tier.name) from exc
+    where = entry.where()
+    state = unflatten(skeleton, tensors, allow_pickle=allow_pickle, where=where)
+    rank_state = (
+        unflatten(rank_skeleton, tensors, allow_pickle=allow_pickle, where=where)
+        if rank_skeleton is not None
+        else None
+    )
+    return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))

@@ -1,0 +1,199 @@
+"""The commit record of a checkpoint: a JSON manifest written last, after every rank's files are in place.
+
+A manifest is also the one thing read from storage before anything else, so it is validated as hostile
+input: its paths must stay inside the checkpoint directory, its numbers must be sane, its types exact.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+import xxhash
+
+from resilience.errors import CorruptCheckpointError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "training-resilience/checkpoint"
+VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILE_BYTES = 1 << 50
+FILE_KINDS = ("shard", "dcp-metadata", "state")
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
+_HEX64 = re.compile(r"^[0-9a-f]{16}$")
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint, relative to its step directory."""
+
+    path: str
+    size: int
+    xxh3_64: str
+    rank: int
+    kind: str
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint holds; see docs/FORMAT.md for the layout."""
+
+    step: int
+    world_size: int
+    files: list[FileEntry]
+    ranks: list[int] | None = None
+    created_unix: float = field(default_factory=time.time)
+    versions: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    pickled: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.size for entry in self.files)
+
+    @property
+    def is_global(self) -> bool:
+        """True when the manifest covers every rank's files (not only one node's part of the local tier)."""
+        return self.ranks is None or sorted(self.ranks) == list(range(self.world_size))
+
+    def file(self, path: str) -> FileEntry | None:
+        return next((entry for entry in self.files if entry.path == path), None)
+
+    def to_json(self) -> bytes:
+        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, where: str, expected_step: int | None = None) -> Manifest:
+        """Parse and validate; every defect raises :class:`CorruptCheckpointError` naming ``where``."""
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"Manifest {where} is invalid: {why}", step=expected_step)
+
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise bad(f"{len(data)} bytes is more than any manifest needs ({MAX_MANIFEST_BYTES})")
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise bad(f"not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise bad("top level is not an object")
+        if body.get("format") != FORMAT:
+            raise bad(f"format {body.get('format')!r} is not {FORMAT!r}")
+        version = body.get("version")
+        if not _is_int(version) or not 1 <= version <= VERSION:
+            raise bad(f"version {version!r} is not supported by this release (reads 1..{VERSION}); upgrade")
+        step = _int_field(body, "step", 0, 1 << 62, bad)
+        if expected_step is not None and step != expected_step:
+            raise bad(f"step {step} does not match its directory step-{expected_step}")
+        world_size = _int_field(body, "world_size", 1, 1 << 24, bad)
+        raw_files = body.get("files")
+        if not isinstance(raw_files, list) or not raw_files:
+            raise bad("'files' is not a non-empty list")
+        files = [_parse_file(item, world_size, bad) for item in raw_files]
+        if len({entry.path for entry in files}) != len(files):
+            raise bad("a file is listed twice")
+        ranks = body.get("ranks")
+        if ranks is not None and (
+            not isinstance(ranks, list) or not all(_is_int(r) and 0 <= r < world_size for r in ranks)
+        ):
+            raise bad("'ranks' is not a list of ranks below world_size")
+        created = body.get("created_unix")
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise bad("'created_unix' is not a number")
+        return cls(
+            step=step,
+            world_size=world_size,
+            files=files,
+            ranks=ranks,
+            created_unix=float(created),
+            versions=_str_map(body.get("versions", {}), "versions", bad),
+            timings={k: float(v) for k, v in _num_map(body.get("timings", {}), "timings", bad).items()},
+            pickled=_str_list(body.get("pickled", []), "pickled", bad),
+            extra=body.get("extra", {}) if isinstance(body.get("extra", {}), dict) else {},
+        )
+
+
+def check_relative_path(path: object) -> str:
+    """Accept only plain relative paths below a checkpoint directory (no ``..``, no absolute, no odd bytes)."""
+    if not isinstance(path, str) or not _SAFE_PATH.match(path) or any(p in (".", "..") for p in path.split("/")):
+        raise ValueError(f"path {path!r} is not a plain relative path inside the checkpoint directory")
+    return path
+
+
+def hash_stream(stream: IO[bytes]) -> tuple[str, int]:
+    """xxh3-64 and length of everything readable from ``stream`` (the hash releases the GIL)."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    while True:
+        chunk = stream.read(_CHUNK)
+        if not chunk:
+            return digest.hexdigest(), size
+        digest.update(chunk)
+        size += len(chunk)
+
+
+def hash_bytes(data: bytes) -> str:
+    return xxhash.xxh3_64(data).hexdigest()
+
+
+def entries_by_rank(files: Iterable[FileEntry]) -> dict[int, list[FileEntry]]:
+    out: dict[int, list[FileEntry]] = {}
+    for entry in files:
+        out.setdefault(entry.rank, []).append(entry)
+    return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(body: dict[str, Any], name: str, low: int, high: int, bad: Any) -> int:
+    value = body.get(name)
+    if not _is_int(value) or not low <= value <= high:
+        raise bad(f"{name!r} is {value!r}, not an integer in [{low}, {high}]")
+    return int(value)
+
+
+def _parse_file(item: object, world_size: int, bad: Any) -> FileEntry:
+    if not isinstance(item, dict):
+        raise bad("a file entry is not an object")
+    try:
+        path = check_relative_path(item.get("path"))
+    except ValueError as exc:
+        raise bad(str(exc)) from None
+    size = _int_field(item, "size", 0, MAX_FILE_BYTES, bad)
+    rank = _int_field(item, "rank", 0, world_size - 1, bad)
+    digest = item.get("xxh3_64")
+    if not isinstance(digest, str) or not _HEX64.match(digest):
+        raise bad(f"checksum of {path} is {digest!r}, not 16 hex digits")
+    kind = item.get("kind")
+    if kind not in FILE_KINDS:
+        raise bad(f"kind of {path} is {kind!r}, not one of {FILE_KINDS}")
+    return FileEntry(path=path, size=size, xxh3_64=digest, rank=rank, kind=kind)
+
+
+def _str_map(value: object, name: str, bad: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise bad(f"{name!r} is not a map of strings")
+    return dict(value)
+
+
+def _num_map(value: object, name: str, bad: Any) -> dict[str, float]:
+    if not isinstance(value, dict) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise bad(f"{name!r} is not a map of numbers")
+    return dict(value)
+
+
+def _str_list(value: object, name: str, bad: Any) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise bad(f"{name!r} is not a list of strings")
+    return list(value)

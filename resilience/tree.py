@@ -1,0 +1,174 @@
+"""Split a state tree into tensors (saved through DCP) and a JSON skeleton (everything else).
+
+DCP would pickle non-tensor values and turns integer dict keys into strings (an optimizer's ``state``
+is keyed by ints and silently stops matching). Keeping the skeleton as tagged JSON preserves key types,
+tuples and non-finite floats exactly, and means nothing but DCP's own ``.metadata`` is unpickled on load,
+unless a value could not be expressed in JSON and the user opts in with ``allow_pickle``.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from resilience.errors import CheckpointError, CorruptCheckpointError
+
+TAG = "$t"
+
+
+@dataclass
+class FlatState:
+    """A state tree taken apart: ``tensors`` by checkpoint key, and the JSON-able rest."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    skeleton: Any = None
+    pickled: list[str] = field(default_factory=list)
+
+
+def _component(key: object) -> str:
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+class _Flattener:
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.out = FlatState()
+        self.seen: dict[int, str] = {}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {TAG: "float", "v": repr(value)}
+        if isinstance(value, torch.Tensor):
+            return {TAG: "tensor", "k": self._tensor(value, path)}
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            return {TAG: "ndarray", "k": self._tensor(torch.from_numpy(np.ascontiguousarray(value)), path)}
+        if isinstance(value, np.generic):
+            return {TAG: "npscalar", "dtype": str(value.dtype), "v": self.encode(value.item(), path)}
+        if isinstance(value, torch.Size):
+            return {TAG: "size", "v": list(value)}
+        if isinstance(value, tuple) and type(value) is tuple:
+            return {TAG: "tuple", "v": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            return self._mapping(value, path)
+        if isinstance(value, (set, frozenset)):
+            return {TAG: "set", "v": [self.encode(v, path) for v in sorted(value, key=repr)]}
+        if isinstance(value, bytes):
+            return {TAG: "bytes", "b64": base64.b64encode(value).decode()}
+        if isinstance(value, torch.dtype):
+            return {TAG: "dtype", "v": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {TAG: "device", "v": str(value)}
+        self.out.pickled.append(path or "/")
+        return {
+            TAG: "pickle",
+            "type": f"{type(value).__module__}.{type(value).__qualname__}",
+            "b64": base64.b64encode(pickle.dumps(value)).decode(),
+        }
+
+    def _mapping(self, value: Mapping[Any, Any], path: str) -> Any:
+        if all(isinstance(k, str) and k != TAG for k in value):
+            return {k: self.encode(v, f"{path}/{_component(k)}") for k, v in value.items()}
+        return {
+            TAG: "dict",
+            "items": [[self.encode(k, path), self.encode(v, f"{path}/{_component(k)}")] for k, v in value.items()],
+        }
+
+    def _tensor(self, tensor: torch.Tensor, path: str) -> str:
+        known = self.seen.get(id(tensor))
+        if known is not None:  # tied weights: one copy, two references
+            return known
+        key = f"{self.prefix}{path.lstrip('/')}" or "tensor"
+        if key in self.out.tensors:
+            raise ValueError(f"two entries of the state map to the checkpoint key {key!r}: rename one of them")
+        self.out.tensors[key] = tensor
+        self.seen[id(tensor)] = key
+        return key
+
+
+def flatten(tree: Any, prefix: str = "") -> FlatState:
+    """Take ``tree`` apart; tensor keys are its paths joined by ``/``, after ``prefix``."""
+    flattener = _Flattener(prefix)
+    flattener.out.skeleton = flattener.encode(tree, "")
+    return flattener.out
+
+
+def tensor_keys(skeleton: Any) -> list[str]:
+    """Every tensor key a skeleton refers to, in order."""
+    keys: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            if node.get(TAG) in ("tensor", "ndarray"):
+                keys.append(node["k"])
+            else:
+                for item in node.values():
+                    walk(item)
+
+    walk(skeleton)
+    return keys
+
+
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool, where: str) -> Any:
+    """Rebuild the tree; ``where`` names the checkpoint in errors."""
+
+    def decode(node: Any) -> Any:
+        if isinstance(node, list):
+            return [decode(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        tag = node.get(TAG)
+        if tag is None:
+            return {k: decode(v) for k, v in node.items()}
+        if tag in ("tensor", "ndarray"):
+            key = node.get("k")
+            if key not in tensors:
+                raise CorruptCheckpointError(f"{where}: state refers to tensor {key!r}, which is not in the shards")
+            return tensors[key] if tag == "tensor" else tensors[key].numpy()
+        if tag == "float":
+            return float(node["v"])
+        if tag == "npscalar":
+            return np.dtype(node["dtype"]).type(decode(node["v"]))
+        if tag == "size":
+            return torch.Size(node["v"])
+        if tag == "tuple":
+            return tuple(decode(v) for v in node["v"])
+        if tag == "dict":
+            return {_hashable(decode(k)): decode(v) for k, v in node["items"]}
+        if tag == "set":
+            return {_hashable(decode(v)) for v in node["v"]}
+        if tag == "bytes":
+            return base64.b64decode(node["b64"])
+        if tag == "dtype":
+            return getattr(torch, node["v"])
+        if tag == "device":
+            return torch.device(node["v"])
+        if tag == "pickle":
+            if not allow_pickle:
+                raise CheckpointError(
+                    f"{where} holds a pickled {node.get('type')} value; loading it would run code from storage. "
+                    "Pass allow_pickle=True (or set RESILIENCE_ALLOW_PICKLE=1) if you trust this storage"
+                )
+            return pickle.loads(base64.b64decode(node["b64"]))
+        raise CorruptCheckpointError(f"{where}: unknown value tag {tag!r} in the saved state")
+
+    return decode(skeleton)
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
