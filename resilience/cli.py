@@ -47,7 +47,7 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for tier in _tiers(args):
         for entry in catalog.scan(tier):
             manifest = entry.manifest
@@ -76,8 +76,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         status = "committed" if r["committed"] else "incomplete"
         print(
             f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {_size(r['bytes']):>10}  "
-            f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}"
-            + (f"  ({r['problem']})" if r["problem"] else "")
+            f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return 0
 
@@ -104,6 +103,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         assert entry.manifest is not None
         print(f"OK   {entry.where()}: {len(entry.manifest.files)} files, {_size(entry.manifest.total_bytes)}")
     return 1 if failed else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from resilience.goodput.report import run_report  # keeps `ls` and `verify` from loading the report code
+
+    return run_report(args.run_dir, as_json=args.json, plot=args.plot)
 
 
 def _progress_printer(label: str) -> Callable[[int, int], None]:
@@ -139,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     def with_roots(p: argparse.ArgumentParser) -> None:
         p.add_argument("roots", nargs="+", metavar="ROOT", help="local checkpoint directory or fsspec URL")
         p.add_argument(
-            "--storage-option", action="append", default=[], metavar="NAME=VALUE",
+            "--storage-option",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
             help="fsspec option for URL roots (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
         )
 
@@ -154,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--quick", action="store_true", help="sizes only for shards (checksums of small files)")
     verify.add_argument("--progress", action="store_true", help="show checksum progress on stderr")
     verify.set_defaults(func=cmd_verify)
+
+    report = sub.add_parser("report", help="goodput of a run: where its wall time went, across restarts")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding goodput/ (or that folder itself)")
+    report.add_argument("--json", action="store_true", help="machine-readable summary")
+    report.add_argument("--plot", metavar="FILE.png", help="also write a timeline picture (needs matplotlib)")
+    report.set_defaults(func=cmd_report)
 
     for add in _EXTRA_COMMANDS:
         add(sub)

@@ -67,7 +67,7 @@ class Channel:
             return obj
         box: list[Any] = [obj]
         dist.broadcast_object_list(box, src=src, group=self.group)
-        return box[0]  # type: ignore[no-any-return]
+        return box[0]
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise maximum across ranks: one small tensor all-reduce, cheap enough for every save."""
@@ -95,9 +95,3 @@ class Groups:
             self.topology = Topology(0, 1, [])
         self.control, self.writer, self.upload = (Channel(g) for g in groups)
         self.topology.hosts = self.control.all_gather(socket.gethostname())
-        self._groups = [g for g in groups if g is not None]
-
-    def destroy(self) -> None:
-        for group in self._groups:
-            dist.destroy_process_group(group)
-        self._groups = []

@@ -172,7 +172,7 @@ class _VerifiedReader(FileSystemReader):
 
     def __init__(self, entry: Entry, metadata: Metadata):
         super().__init__(entry.path)
-        self.fs = _TierFileSystem(entry.tier)
+        self.fs = _TierFileSystem(entry.tier)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
 
@@ -229,8 +229,6 @@ def load_entry(
     where = entry.where()
     state = unflatten(skeleton, tensors, allow_pickle=allow_pickle, where=where)
     rank_state = (
-        unflatten(rank_skeleton, tensors, allow_pickle=allow_pickle, where=where)
-        if rank_skeleton is not None
-        else None
+        unflatten(rank_skeleton, tensors, allow_pickle=allow_pickle, where=where) if rank_skeleton is not None else None
     )
     return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))

@@ -77,8 +77,15 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._committed_lock = threading.Lock()
         self.pipeline = Pipeline(
-            config, self.local, self.durable, self.topology, self.groups.writer, self.groups.upload,
-            self.local_shared, self.listeners, self._note_committed,
+            config,
+            self.local,
+            self.durable,
+            self.topology,
+            self.groups.writer,
+            self.groups.upload,
+            self.local_shared,
+            self.listeners,
+            self._note_committed,
         )
         self._closed = False
 
@@ -147,9 +154,13 @@ class CheckpointManager:
         errors = self.pipeline.take_errors()
         any_error, any_busy = self.groups.control.max([int(bool(errors)), int(busy)])
         if any_error:
-            raise errors[0] if errors else CheckpointError(
-                "A checkpoint failed on another rank (see that rank's log); stopping so no rank runs ahead",
-                step=step,
+            raise (
+                errors[0]
+                if errors
+                else CheckpointError(
+                    "A checkpoint failed on another rank (see that rank's log); stopping so no rank runs ahead",
+                    step=step,
+                )
             )
         if any_busy:
             if self.config.when_busy == "skip":
@@ -157,7 +168,9 @@ class CheckpointManager:
                 log.warning(
                     "Skipping the save of step %s: the save of step %s is still being written (when_busy='skip'; "
                     "%d skipped so far). Save less often, or use when_busy='wait'.",
-                    step, self._inflight.step if self._inflight else "?", self.stats.skipped,
+                    step,
+                    self._inflight.step if self._inflight else "?",
+                    self.stats.skipped,
                 )
                 self._emit("skipped", step)
                 return None
@@ -188,7 +201,8 @@ class CheckpointManager:
         if flat.pickled and self.stats.saves == 0:
             log.warning(
                 "State values at %s are not JSON-expressible and were pickled; loading them will need "
-                "allow_pickle=True", flat.pickled[:5],
+                "allow_pickle=True",
+                flat.pickled[:5],
             )
         self._staging = staging if self.config.async_staging else None
         self._inflight = handle
@@ -209,7 +223,11 @@ class CheckpointManager:
         handle = self._inflight
         if handle is None:
             return True
-        ok = handle.wait_durable(timeout) if durable else handle.wait_local(timeout)
+        try:
+            ok = handle.wait_durable(timeout) if durable else handle.wait_local(timeout)
+        except CheckpointError as exc:
+            self.pipeline.discard_error(exc)  # raised here; not again at the next save
+            raise
         self._raise_pending()
         return ok
 
@@ -339,9 +357,9 @@ class CheckpointManager:
         self.wait_for_staging()
         finished = self.pipeline.close(timeout)
         self._stager.close()
-        if finished:
-            self.groups.destroy()
-        else:
+        # The gloo groups stay until the job's own destroy_process_group(): destroying them here could tear
+        # connections down under a peer that is still finishing its last collective.
+        if not finished:
             log.warning("checkpoint threads did not finish within %ss; they are left to the process exit", timeout)
         self._raise_pending()
 

@@ -11,7 +11,7 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 import xxhash
 
@@ -150,7 +150,7 @@ def entries_by_rank(files: Iterable[FileEntry]) -> dict[int, list[FileEntry]]:
     return out
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -205,6 +205,10 @@ class Pipeline:
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not (self._writer.is_alive() or self._uploader.is_alive())
 
+    def discard_error(self, error: BaseException) -> None:
+        with self._errors_lock:
+            self.errors = [e for e in self.errors if e is not error]
+
     def take_errors(self) -> list[CheckpointError]:
         with self._errors_lock:
             errors, self.errors = self.errors, []
@@ -265,7 +269,7 @@ class Pipeline:
                 entries.append(FileEntry(name, size, digest, self.rank, kind))
             timings["hash_s"] = time.monotonic() - t0
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = _describe(exc)
+            error = _describe(exc, self.rank)
             log.debug("write of step %s failed on rank %s:\n%s", step, self.rank, traceback.format_exc())
         try:
             gathered = self.writer_channel.all_gather((entries, error, timings))
@@ -273,12 +277,13 @@ class Pipeline:
             self._broken = f"the checkpoint group broke while saving step {step}: {_describe(exc)}"
             self._fail_local(job, CheckpointError(self._broken, step=step, tier="local"))
             return
-        failures = [(rank, err) for rank, (_, err, _) in enumerate(gathered) if err]
+        failures = [err for _, err, _ in gathered if err]
         if failures:
-            rank, err = failures[0]
             self._fail_local(
-                job, CheckpointError(f"Writing the checkpoint failed on rank {rank}: {err}", step=step,
-                                     tier="local", path=local_dir, rank=rank)
+                job,
+                CheckpointError(
+                    f"Writing the checkpoint failed: {failures[0]}", step=step, tier="local", path=local_dir
+                ),
             )
             return
         all_entries = [entry for part, _, _ in gathered for entry in part]
@@ -306,8 +311,13 @@ class Pipeline:
             commit_errors = [self._broken]
         if commit_errors:
             self._fail_local(
-                job, CheckpointError(f"Committing the checkpoint failed: {commit_errors[0]}", step=step,
-                                     tier="local", path=f"{local_dir}/{MANIFEST_NAME}")
+                job,
+                CheckpointError(
+                    f"Committing the checkpoint failed: {commit_errors[0]}",
+                    step=step,
+                    tier="local",
+                    path=f"{local_dir}/{MANIFEST_NAME}",
+                ),
             )
             return
         handle.nbytes = manifest.total_bytes
@@ -335,8 +345,13 @@ class Pipeline:
     def _commit_local(self, local_dir: str, manifest: Manifest) -> None:
         if self.local_ranks is not None:  # node-local disk: this node's files only
             ranks = set(self.local_ranks)
-            manifest = Manifest(**{**manifest.__dict__, "files": [f for f in manifest.files if f.rank in ranks],
-                                   "ranks": sorted(ranks)})
+            manifest = Manifest(
+                **{
+                    **manifest.__dict__,
+                    "files": [f for f in manifest.files if f.rank in ranks],
+                    "ranks": sorted(ranks),
+                }
+            )
         if self.config.fsync:
             fsync_dir(local_dir)
         self.local.write_exclusive(f"{local_dir}/{MANIFEST_NAME}", manifest.to_json(), fsync=self.config.fsync)
@@ -386,8 +401,7 @@ class Pipeline:
         assert self.durable is not None
         step, durable = job.step, self.durable
         if self._upload_broken:
-            self._fail_durable(job, CheckpointError(f"Not uploaded: {self._upload_broken}", step=step,
-                                                    tier="durable"))
+            self._fail_durable(job, CheckpointError(f"Not uploaded: {self._upload_broken}", step=step, tier="durable"))
             return
         t0 = time.monotonic()
         error: str | None = None
@@ -395,13 +409,17 @@ class Pipeline:
         try:
             self._upload_files(step, mine)
         except Exception as exc:
-            error = _describe(exc)
+            error = _describe(exc, self.rank)
         try:
-            failures = [(r, e) for r, e in enumerate(self.upload_channel.all_gather(error)) if e]
+            failures = [e for e in self.upload_channel.all_gather(error) if e]
             commit_error = None
             if not failures and self.rank == 0:
-                manifest = Manifest(**{**job.manifest.__dict__,
-                                       "timings": {**job.manifest.timings, "upload_s": time.monotonic() - t0}})
+                manifest = Manifest(
+                    **{
+                        **job.manifest.__dict__,
+                        "timings": {**job.manifest.timings, "upload_s": time.monotonic() - t0},
+                    }
+                )
                 try:
                     durable.write_exclusive(durable.step_path(step, MANIFEST_NAME), manifest.to_json())
                 except Exception as exc:
@@ -413,13 +431,21 @@ class Pipeline:
             self._fail_durable(job, CheckpointError(self._upload_broken, step=step, tier="durable"))
             return
         if failures:
-            rank, err = failures[0]
-            self._fail_durable(job, CheckpointError(f"Uploading the checkpoint failed on rank {rank}: {err}",
-                                                    step=step, tier="durable", rank=rank))
+            self._fail_durable(
+                job,
+                CheckpointError(f"Uploading the checkpoint failed: {failures[0]}", step=step, tier="durable"),
+            )
             return
         if commit_error:
-            self._fail_durable(job, CheckpointError(f"Committing the upload failed: {commit_error}", step=step,
-                                                    tier="durable", path=MANIFEST_NAME))
+            self._fail_durable(
+                job,
+                CheckpointError(
+                    f"Committing the upload failed: {commit_error}",
+                    step=step,
+                    tier="durable",
+                    path=MANIFEST_NAME,
+                ),
+            )
             return
         upload_s = time.monotonic() - t0
         job.handle.timings["upload_s"] = upload_s
@@ -445,14 +471,17 @@ class Pipeline:
                 except Exception as exc:
                     attempt += 1
                     if attempt > self.config.upload_retries:
-                        raise CheckpointError(
-                            f"gave up after {attempt} attempts: {_describe(exc)}", step=step, tier="durable",
-                            path=entry.path, rank=self.rank,
-                        ) from exc
+                        raise OSError(f"{entry.path}: gave up after {attempt} attempts ({_describe(exc)})") from exc
                     delay = min(30.0, self.config.upload_backoff_s * 2 ** (attempt - 1))
                     delay *= random.uniform(0.5, 1.0)
-                    log.warning("upload of %s (step %s) failed (%s); retry %d in %.1fs",
-                                entry.path, step, _describe(exc), attempt, delay)
+                    log.warning(
+                        "upload of %s (step %s) failed (%s); retry %d in %.1fs",
+                        entry.path,
+                        step,
+                        _describe(exc),
+                        attempt,
+                        delay,
+                    )
                     self._emit("upload_retry", step, file=entry.path, attempt=attempt, error=_describe(exc))
                     time.sleep(delay)
 
@@ -509,6 +538,12 @@ def remove_checkpoint(tier: Tier, path: str) -> None:
     tier.remove_dir(path)
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, rank: int | None = None) -> str:
+    """One line naming the root cause and the rank it happened on (DCP wraps per-rank failures)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failed_rank, (inner, _) = next(iter(failures.items()))
+        return _describe(inner, failed_rank)
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
+    return line if rank is None else f"{line} (on rank {rank})"

@@ -7,6 +7,7 @@ manifest appear whole and at most once (rename-free link on POSIX, a conditional
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
@@ -157,10 +158,10 @@ class Tier:
     # ---- data ----------------------------------------------------------------------------------------------
 
     def open(self, path: str, mode: str = "rb") -> IO[bytes]:
-        return self.fs.open(path, mode)  # type: ignore[no-any-return]
+        return self.fs.open(path, mode)
 
     def read_bytes(self, path: str) -> bytes:
-        return self.fs.cat_file(path)  # type: ignore[no-any-return]
+        return self.fs.cat_file(path)
 
     def write_exclusive(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         """Make ``path`` appear whole, and only if it does not exist yet (``FileExistsError`` otherwise)."""
@@ -173,10 +174,8 @@ class Tier:
         self.fs.put_file(local_path, path)
 
     def remove_dir(self, path: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
 
 
 def _write_local_exclusive(path: str, data: bytes, *, fsync: bool) -> None:

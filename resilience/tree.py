@@ -136,7 +136,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
         if tag is None:
             return {k: decode(v) for k, v in node.items()}
         if tag in ("tensor", "ndarray"):
-            key = node.get("k")
+            key = str(node.get("k"))
             if key not in tensors:
                 raise CorruptCheckpointError(f"{where}: state refers to tensor {key!r}, which is not in the shards")
             return tensors[key] if tag == "tensor" else tensors[key].numpy()

@@ -1,0 +1,260 @@
+"""The engine in one process against real local files: commit, retention, discovery, fallback, policies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience import (
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointManager,
+    NoCheckpointError,
+)
+from resilience.cli import main as cli
+from resilience.pipeline import Pipeline
+from tests.helpers import base_env
+
+
+def make_state(step: int) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "model": {"w": torch.randn(256, 64, generator=gen), "b": torch.randn(64, generator=gen)},
+        "step": step,
+    }
+
+
+def manager(root: Path, **kw: object) -> CheckpointManager:
+    kw.setdefault("keep_last", 2)
+    return CheckpointManager(CheckpointConfig(root, **kw))  # type: ignore[arg-type]
+
+
+def test_save_commit_load_roundtrip(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        handle = m.save(5, make_state(5), {"rng": torch.get_rng_state()})
+        assert handle is not None and handle.wait_local(30) and handle.local_committed
+    manifest = json.loads((tmp_path / "step-5" / "manifest.json").read_text())
+    assert manifest["step"] == 5 and manifest["world_size"] == 1
+    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state"}
+    for entry in manifest["files"]:
+        assert (tmp_path / "step-5" / entry["path"]).stat().st_size == entry["size"]
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 5 and restored.state["step"] == 5
+    assert torch.equal(restored.state["model"]["w"], make_state(5)["model"]["w"])
+    assert torch.equal(restored.rank_state["rng"], torch.get_rng_state())
+
+
+def test_load_into_target_fills_it_in_place(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        m.save(1, make_state(1))
+    target = make_state(99)
+    with manager(tmp_path) as m:
+        restored = m.load(target)
+    assert restored is not None
+    assert restored.state["model"]["w"] is target["model"]["w"]  # type: ignore[index]
+    assert torch.equal(target["model"]["w"], make_state(1)["model"]["w"])  # type: ignore[index]
+    bad_target = {"model": {"w": torch.zeros(256, 64), "extra": torch.zeros(1)}}
+    with manager(tmp_path) as m, pytest.raises(CheckpointError, match="no tensor for 1 key"):
+        m.load(bad_target)
+
+
+def test_nothing_saved_loads_none_and_missing_step_is_an_error(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        assert m.load() is None
+        with pytest.raises(NoCheckpointError, match="step 3"):
+            m.load(step=3)
+
+
+def test_committed_step_is_never_overwritten(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        m.save(1, make_state(1))
+        with pytest.raises(CheckpointExistsError, match="never overwritten"):
+            m.save(1, make_state(2))
+    before = (tmp_path / "step-1" / "manifest.json").read_bytes()
+    with manager(tmp_path) as m, pytest.raises(CheckpointExistsError):
+        m.save(1, make_state(3))
+    assert (tmp_path / "step-1" / "manifest.json").read_bytes() == before
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None and torch.equal(restored.state["model"]["w"], make_state(1)["model"]["w"])
+
+
+def test_retention_keeps_last_and_milestones(tmp_path: Path) -> None:
+    with manager(tmp_path, keep_last=2, keep_every=20) as m:
+        for step in range(10, 70, 10):
+            m.save(step, make_state(step))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-20", "step-40", "step-50", "step-60"]
+
+
+def test_host_buffers_are_reused_across_saves(tmp_path: Path) -> None:
+    with manager(tmp_path, keep_last=2) as m:
+        m.save(1, make_state(1))
+        m.wait()
+        buffers = {k: v.data_ptr() for k, v in m._stager._buffers.items()}
+        for step in range(2, 6):
+            m.save(step, make_state(step))
+            m.wait()
+        assert {k: v.data_ptr() for k, v in m._stager._buffers.items()} == buffers
+
+
+def test_async_staging_saves_the_values_at_save_time(tmp_path: Path) -> None:
+    state = make_state(1)
+    with manager(tmp_path, async_staging=True) as m:
+        m.save(1, state)
+        m.wait_for_staging()
+        state["model"]["w"].add_(100.0)  # type: ignore[index]  # a later optimizer step
+        m.wait()
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None
+    assert torch.equal(restored.state["model"]["w"], make_state(1)["model"]["w"])
+
+
+def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    gate = threading.Event()
+    original = Pipeline._write
+
+    def slow(self: Pipeline, job: object) -> None:
+        gate.wait(30)
+        original(self, job)
+
+    monkeypatch.setattr(Pipeline, "_write", slow)
+    return gate
+
+
+def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = gated_writer(monkeypatch)
+    with manager(tmp_path, when_busy="skip") as m:
+        assert m.save(1, make_state(1)) is not None
+        assert m.save(2, make_state(2)) is None
+        gate.set()
+        m.wait()
+        assert m.save(3, make_state(3)) is not None
+        assert m.stats.skipped == 1
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3"]
+
+
+def test_busy_wait_policy_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = gated_writer(monkeypatch)
+    with manager(tmp_path, when_busy="wait") as m:
+        first = m.save(1, make_state(1))
+        threading.Timer(0.3, gate.set).start()
+        second = m.save(2, make_state(2))
+        assert first is not None and first.local_committed, "save 2 started before save 1 was committed"
+        assert second is not None and m.stats.waited_for_previous == 1
+
+
+def test_background_failure_surfaces_with_context_and_leaves_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from resilience import pipeline
+
+    def disk_full(self: object, plan: object, planner: object) -> object:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline._RecordingWriter, "write_data", disk_full)
+    m = manager(tmp_path)
+    m.save(4, make_state(4))
+    with pytest.raises(CheckpointError, match=r"No space left on device.*step=4, tier=local"):
+        m.wait()
+    m.close()
+    assert not (tmp_path / "step-4" / "manifest.json").exists()
+
+
+def test_kill_before_commit_leaves_nothing_discovery_accepts(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        m.save(1, make_state(1))
+    script = f"""
+import os, sys, time, signal
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.storage import Tier
+from tests.test_engine_local import make_state
+def stall(self, path, data, fsync=True):
+    open({str(tmp_path / "ready")!r}, "w").close()
+    time.sleep(600)
+Tier.write_exclusive = stall
+m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, keep_last=2))
+m.save(2, make_state(2))
+time.sleep(600)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], env=base_env())
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "writer never reached the commit"
+        time.sleep(0.05)
+    proc.kill()  # SIGKILL, between the shard writes and the manifest
+    proc.wait()
+    assert (tmp_path / "step-2" / ".metadata").exists() and not (tmp_path / "step-2" / "manifest.json").exists()
+    with manager(tmp_path) as m:
+        assert not (tmp_path / "step-2").exists(), "the uncommitted leftover was not cleared"
+        restored = m.load()
+        assert restored is not None and restored.step == 1
+        m.save(2, make_state(2))  # the step can be saved again after the crash
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 2
+
+
+def corrupt_newest_shard(root: Path, step: int, how: str) -> Path:
+    shard = next((root / f"step-{step}").glob("__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+@pytest.mark.parametrize(("how", "verify"), [("flip", "full"), ("truncate", "size")])
+def test_corrupt_checkpoint_is_skipped_with_a_warning_and_quarantined(tmp_path: Path, how: str, verify: str) -> None:
+    with manager(tmp_path, keep_last=3) as m:
+        for step in (1, 2):
+            m.save(step, make_state(step))
+    corrupt_newest_shard(tmp_path, 2, how)
+    assert cli(["verify", str(tmp_path)]) == 1
+    with manager(tmp_path, verify=verify) as m:
+        with pytest.warns(UserWarning, match=r"Skipping step 2 .*distcp.*trying step 1"):
+            restored = m.load()
+        assert restored is not None and restored.step == 1
+        assert torch.equal(restored.state["model"]["w"], make_state(1)["model"]["w"])
+        assert not (tmp_path / "step-2").exists() and len(list((tmp_path / "quarantine").iterdir())) == 1
+        m.save(2, make_state(2))  # the step name is free again; the corrupt copy is kept aside
+    assert cli(["verify", str(tmp_path)]) == 0
+
+
+def test_cli_ls_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with manager(tmp_path) as m:
+        m.save(3, make_state(3))
+    (tmp_path / "step-9").mkdir()
+    (tmp_path / "step-9" / "__0_0.distcp").write_bytes(b"partial")
+    assert cli(["ls", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["committed"], r["world_size"]) for r in rows] == [(9, False, None), (3, True, 1)]
+    assert cli(["ls", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "incomplete" in table and "committed" in table
+    assert cli(["verify", str(tmp_path), "--step", "3"]) == 0
+    assert cli(["verify", str(tmp_path), "--step", "9"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+    assert cli(["verify", str(tmp_path), "--step", "4"]) == 1
+
+
+def test_tampered_dcp_metadata_is_refused_before_unpickling(tmp_path: Path) -> None:
+    with manager(tmp_path) as m:
+        m.save(1, make_state(1))
+    metadata = tmp_path / "step-1" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:-1] + b"X")
+    os.utime(metadata)
+    with manager(tmp_path) as m, pytest.warns(UserWarning, match=r"\.metadata"):
+        assert m.load() is None

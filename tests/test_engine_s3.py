@@ -1,0 +1,146 @@
+"""The durable tier against a real S3-protocol server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
+from tests.helpers import S3_ENV, MotoServer
+from tests.test_engine_local import make_state
+
+FAST_FAIL = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 2}}
+
+
+def manager(root: Path, s3: dict[str, object], **kw: object) -> CheckpointManager:
+    kw.setdefault("keep_last", 2)
+    return CheckpointManager(
+        CheckpointConfig(root, durable_url=str(s3["url"]), storage_options=s3["options"], **kw)  # type: ignore[arg-type]
+    )
+
+
+def test_upload_commits_remotely_and_a_fresh_node_resumes_from_the_url(tmp_path: Path, s3: dict[str, object]) -> None:
+    fs = s3["fs"]
+    events: list[dict[str, object]] = []
+    with manager(tmp_path / "node-a", s3) as m:
+        m.add_listener(events.append)
+        for step in (1, 2, 3):
+            m.save(step, make_state(step))
+            assert m.wait(durable=True)
+    committed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run"))  # type: ignore[attr-defined]
+    assert committed == ["step-2", "step-3"], committed  # retention ran in the durable tier too
+    remote = json.loads(fs.cat_file("ckpt-bucket/run/step-3/manifest.json"))  # type: ignore[attr-defined]
+    assert remote["timings"]["upload_s"] >= 0 and remote["step"] == 3
+    assert "testing" not in json.dumps(remote), "credentials must never reach a manifest"
+    assert any(e["event"] == "durable_commit" and e["step"] == 3 for e in events)
+
+    with manager(tmp_path / "node-b", s3) as m:  # empty local disk: the newest commit is remote
+        restored = m.load()
+    assert restored is not None and restored.step == 3 and restored.tier == "durable"
+    assert torch.equal(restored.state["model"]["w"], make_state(3)["model"]["w"])
+
+
+def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
+    tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from resilience.storage import Tier
+
+    gate = threading.Event()
+    original = Tier.put_file
+
+    def slow_put(self: Tier, local_path: str, path: str) -> None:
+        if "step-1/" in path:
+            gate.wait(30)
+        original(self, local_path, path)
+
+    monkeypatch.setattr(Tier, "put_file", slow_put)
+    events: list[dict[str, object]] = []
+    with manager(tmp_path, s3, keep_last=3) as m:
+        m.add_listener(events.append)
+        first = m.save(1, make_state(1))
+        second = m.save(2, make_state(2))
+        third = m.save(3, make_state(3))
+        assert first and second and third and third.wait_local(30)
+        gate.set()
+        assert third.wait_durable(60) and first.wait_durable(60)
+        assert second.wait_durable(60) is False, "step 2 was superseded by step 3 while step 1 uploaded"
+    fs = s3["fs"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run")) == ["step-1", "step-3"]  # type: ignore[attr-defined]
+    assert any(e["event"] == "upload_skipped" and e["step"] == 2 for e in events)
+
+
+def test_local_copy_is_preferred_and_a_corrupt_remote_falls_back(tmp_path: Path, s3: dict[str, object]) -> None:
+    fs = s3["fs"]
+    with manager(tmp_path / "a", s3) as m:
+        for step in (1, 2):
+            m.save(step, make_state(step))
+        m.wait(durable=True)
+    with manager(tmp_path / "a", s3) as m:
+        restored = m.load()
+        assert restored is not None and restored.tier == "local" and restored.step == 2
+    shutil.rmtree(tmp_path / "a")
+    shard = next(p for p in fs.ls("ckpt-bucket/run/step-2") if p.endswith(".distcp"))  # type: ignore[attr-defined]
+    fs.pipe_file(shard, b"truncated")  # type: ignore[attr-defined]
+    with (
+        manager(tmp_path / "b", s3) as m,
+        pytest.warns(UserWarning, match="Skipping step 2 in the durable tier"),
+    ):
+        restored = m.load()
+    assert restored is not None and restored.step == 1 and restored.tier == "durable"
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run/step-2")]  # type: ignore[attr-defined]
+    assert "manifest.json" not in names and any(n.startswith("manifest.json.corrupt-") for n in names)
+
+
+def test_missing_credentials_fail_at_start_with_the_fix(
+    tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(ConfigError, match="provide credentials"):
+        manager(tmp_path, s3)
+    assert not list(tmp_path.glob("step-*"))
+
+
+@pytest.mark.parametrize("policy", ["raise", "warn"])
+def test_server_killed_mid_upload_keeps_the_local_commit(
+    tmp_path: Path, policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in S3_ENV.items():
+        monkeypatch.setenv(name, value)
+    server = MotoServer().start()
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        options = {"endpoint_url": server.endpoint, **FAST_FAIL}
+        s3fs.S3FileSystem(**options).mkdir("dying-bucket")
+        s3 = {"url": "s3://dying-bucket/run", "options": options}
+        m = manager(tmp_path, s3, upload_retries=1, upload_backoff_s=0.01, on_upload_error=policy)
+        m.save(1, make_state(1))
+        m.wait(durable=True)
+        server.stop()  # the object store goes away
+        handle = m.save(2, make_state(2))
+        assert handle is not None and handle.wait_local(60)
+        with pytest.raises(CheckpointError, match=r"Uploading the checkpoint failed.*gave up.*step=2, tier=durable"):
+            handle.wait_durable(120)
+        if policy == "raise":  # training stops at its next save, with the upload's error
+            with pytest.raises(CheckpointError, match="Uploading the checkpoint failed"):
+                m.save(3, make_state(3))
+        else:  # training goes on, checkpointing to the local tier
+            third = m.save(3, make_state(3))
+            assert third is not None and third.wait_local(60)
+            m.close()
+    finally:
+        server.stop()
+    assert (tmp_path / "step-2" / "manifest.json").exists(), "the local commit must stay"

@@ -1,0 +1,181 @@
+"""Unit tests of the engine's pure parts: state trees, manifests, retention, settings and tiers."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from resilience import CheckpointConfig, CheckpointError, ConfigError, CorruptCheckpointError
+from resilience.manifest import FileEntry, Manifest, check_relative_path
+from resilience.retention import steps_to_delete
+from resilience.storage import Tier, redact
+from resilience.tree import flatten, tensor_keys, unflatten
+
+
+class Opaque:
+    def __init__(self, value: int):
+        self.value = value
+
+
+def roundtrip(tree: object, allow_pickle: bool = False) -> object:
+    flat = flatten(tree)
+    skeleton = json.loads(json.dumps(flat.skeleton, allow_nan=False))
+    return unflatten(skeleton, flat.tensors, allow_pickle=allow_pickle, where="test")
+
+
+def test_tree_keeps_key_types_tuples_and_special_values() -> None:
+    optimizer = torch.optim.Adam(torch.nn.Linear(3, 2).parameters())
+    tree = {
+        "optim": optimizer.state_dict(),
+        "ints": {0: "a", 1: "b"},
+        "tuple_key": {(1, 2): 3},
+        "floats": [float("inf"), -float("inf"), 1.5],
+        "nan": float("nan"),
+        "np": np.random.get_state(),
+        "py": random.getstate(),
+        "misc": (torch.Size([2, 3]), torch.float16, torch.device("cpu"), b"\x00\x01", {3, 1}),
+        "np_scalar": np.float32(2.5),
+        "ordered": OrderedDict(a=1),
+        "$t": "a key that looks like our tag",
+    }
+    out = roundtrip(tree)
+    assert out["optim"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert out["ints"] == {0: "a", 1: "b"} and out["tuple_key"] == {(1, 2): 3}
+    assert out["floats"] == [math.inf, -math.inf, 1.5] and math.isnan(out["nan"])
+    assert out["py"] == random.getstate()
+    assert out["np"][0] == "MT19937" and np.array_equal(out["np"][1], np.random.get_state()[1])
+    assert out["np"][1].dtype == np.uint32
+    assert out["misc"] == (torch.Size([2, 3]), torch.float16, torch.device("cpu"), b"\x00\x01", {1, 3})
+    assert isinstance(out["np_scalar"], np.float32) and out["np_scalar"] == np.float32(2.5)
+    assert out["ordered"] == {"a": 1} and out["$t"] == "a key that looks like our tag"
+
+
+def test_tree_tensor_keys_are_paths_and_tied_tensors_are_saved_once() -> None:
+    weight = torch.randn(2, 2)
+    flat = flatten({"model": {"enc.weight": weight, "dec.weight": weight}, "opt": {"state": {0: {"m": weight + 1}}}})
+    assert list(flat.tensors) == ["model/enc.weight", "opt/state/0/m"]
+    assert tensor_keys(flat.skeleton) == ["model/enc.weight", "model/enc.weight", "opt/state/0/m"]
+
+
+def test_tree_pickles_only_with_consent() -> None:
+    flat = flatten({"obj": Opaque(7)})
+    assert flat.pickled == ["/obj"]
+    with pytest.raises(CheckpointError, match="allow_pickle=True"):
+        unflatten(flat.skeleton, flat.tensors, allow_pickle=False, where="ckpt")
+    assert unflatten(flat.skeleton, flat.tensors, allow_pickle=True, where="ckpt")["obj"].value == 7
+
+
+def test_tree_rejects_ambiguous_keys() -> None:
+    with pytest.raises(ValueError, match="map to the checkpoint key"):
+        flatten({0: torch.zeros(1), "0": torch.ones(1)})
+
+
+def good_manifest() -> Manifest:
+    return Manifest(
+        step=7,
+        world_size=2,
+        files=[
+            FileEntry("__0_0.distcp", 10, "0123456789abcdef", 0, "shard"),
+            FileEntry(".metadata", 5, "fedcba9876543210", 0, "dcp-metadata"),
+        ],
+    )
+
+
+def test_manifest_roundtrip() -> None:
+    manifest = good_manifest()
+    back = Manifest.from_json(manifest.to_json(), where="m", expected_step=7)
+    assert back.files == manifest.files and back.total_bytes == 15 and back.is_global
+
+
+@pytest.mark.parametrize(
+    ("mutate", "why"),
+    [
+        (lambda b: b.update(format="other"), "format"),
+        (lambda b: b.update(version=99), "version"),
+        (lambda b: b.update(step="7"), "'step'"),
+        (lambda b: b.update(step=8), "does not match"),
+        (lambda b: b.update(world_size=0), "'world_size'"),
+        (lambda b: b["files"][0].update(path="../../etc/passwd"), "plain relative path"),
+        (lambda b: b["files"][0].update(path="/abs"), "plain relative path"),
+        (lambda b: b["files"][0].update(path="a/./b"), "plain relative path"),
+        (lambda b: b["files"][0].update(size=1 << 60), "'size'"),
+        (lambda b: b["files"][0].update(size=True), "'size'"),
+        (lambda b: b["files"][0].update(rank=5), "'rank'"),
+        (lambda b: b["files"][0].update(xxh3_64="zz"), "checksum"),
+        (lambda b: b["files"][0].update(kind="exe"), "kind"),
+        (lambda b: b.update(files=[]), "'files'"),
+        (lambda b: b["files"].append(dict(b["files"][0])), "twice"),
+        (lambda b: b.update(created_unix="now"), "created_unix"),
+    ],
+)
+def test_manifest_rejects_hostile_or_broken_input(mutate, why) -> None:  # type: ignore[no-untyped-def]
+    body = json.loads(good_manifest().to_json())
+    mutate(body)
+    with pytest.raises(CorruptCheckpointError, match=why):
+        Manifest.from_json(json.dumps(body).encode(), where="m", expected_step=7)
+
+
+def test_manifest_rejects_non_json_and_non_objects() -> None:
+    with pytest.raises(CorruptCheckpointError, match="not JSON"):
+        Manifest.from_json(b"\x80garbage", where="m")
+    with pytest.raises(CorruptCheckpointError, match="not an object"):
+        Manifest.from_json(b"[1, 2]", where="m")
+
+
+def test_relative_path_check() -> None:
+    assert check_relative_path("a/b_c-1.distcp") == "a/b_c-1.distcp"
+    for bad in ("..", "a/../b", "", "a\\b", "a//b", "x\x00"):
+        with pytest.raises(ValueError):
+            check_relative_path(bad)
+
+
+def test_retention_keeps_newest_milestones_and_protected() -> None:
+    committed = [10, 20, 30, 40, 50]
+    assert steps_to_delete(committed, [], keep_last=2, keep_every=None) == [10, 20, 30]
+    assert steps_to_delete(committed, [], keep_last=2, keep_every=20) == [10, 30]
+    assert steps_to_delete(committed, [], keep_last=2, keep_every=None, protected=[20]) == [10, 30]
+    # an uncommitted directory newer than the newest commit may be a save in flight
+    assert steps_to_delete(committed, [45, 60], keep_last=3, keep_every=None) == [10, 20, 45]
+    assert steps_to_delete([], [5], keep_last=2, keep_every=None) == []
+
+
+def test_config_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="keep_last >= 2"):
+        CheckpointConfig(tmp_path, keep_last=1)
+    with pytest.raises(ConfigError, match="when_busy"):
+        CheckpointConfig(tmp_path, when_busy="queue")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="upload_concurrency"):
+        CheckpointConfig(tmp_path, upload_concurrency=0)
+
+
+def test_tier_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="Unknown storage URL scheme"):
+        Tier("durable", "nosuch://bucket/x")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=r"not writable.*point it at a directory"):
+        Tier("local", blocker / "sub").check_writable()
+
+
+def test_redact_masks_credentials() -> None:
+    shown = redact(
+        {
+            "key": "AKIA",
+            "secret": "s",
+            "endpoint_url": "http://x",
+            "client_kwargs": {"aws_session_token": "t"},
+        }
+    )
+    assert shown == {
+        "key": "***",
+        "secret": "***",
+        "endpoint_url": "http://x",
+        "client_kwargs": {"aws_session_token": "***"},
+    }
+    assert "AKIA" not in repr(Tier("durable", "memory://b/x", {"key": "AKIA"}))

@@ -1,0 +1,142 @@
+"""One rank of a real gloo job exercising the checkpoint engine; launched by tests/test_engine_dist.py.
+
+Usage: engine_worker.py SCENARIO LOCAL_ROOT [DURABLE_URL] — values are derived from the step, so a loader
+on any number of ranks can check exactly what it got.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from resilience import CheckpointConfig, CheckpointError, CheckpointManager
+from resilience.pipeline import Pipeline
+
+
+def expected(step: int) -> dict[str, torch.Tensor]:
+    """The full (unsharded) values of the state saved at ``step``."""
+    gen = torch.Generator().manual_seed(step)
+    return {
+        "replicated": torch.randn(64, 32, generator=gen),
+        "sharded": torch.randn(40, 16, generator=gen),
+        "small": torch.arange(10, dtype=torch.int64) + step,
+    }
+
+
+def state_for(step: int, mesh: object | None) -> dict[str, object]:
+    values = expected(step)
+    sharded = values["sharded"]
+    if mesh is not None:
+        sharded = distribute_tensor(sharded, mesh, [Shard(0)])
+    return {
+        "model": {"replicated": values["replicated"], "sharded": sharded},
+        "optim": {"state": {0: {"small": values["small"]}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "meta": {"step": step, "pair": (step, "x")},
+    }
+
+
+def config(args: list[str], **overrides: object) -> CheckpointConfig:
+    durable = args[1] if len(args) > 1 and args[1] != "-" else None
+    options = json.loads(os.environ.get("TEST_STORAGE_OPTIONS", "{}"))
+    return CheckpointConfig(args[0], durable_url=durable, storage_options=options, keep_last=2, **overrides)
+
+
+def main() -> None:
+    scenario, args = sys.argv[1], sys.argv[2:]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+
+    if scenario == "save":
+        steps = [int(s) for s in os.environ.get("TEST_STEPS", "1,2,3").split(",")]
+        with CheckpointManager(config(args)) as manager:
+            for step in steps:
+                manager.save(step, state_for(step, mesh), {"rank": torch.tensor([rank * 1000 + step])})
+            manager.wait(durable=manager.durable is not None)
+        print("SAVED", json.dumps(manager.stats.block_s))
+
+    elif scenario == "load":
+        want = int(os.environ["TEST_EXPECT_STEP"])
+        with CheckpointManager(config(args)) as manager:
+            target = state_for(0, mesh)  # same structure, wrong values: the load must overwrite them
+            restored = manager.load(target)
+            assert restored is not None, "nothing restored"
+            assert restored.step == want, (restored.step, want)
+            full = expected(want)
+            model = restored.state["model"]
+            assert torch.equal(model["replicated"], full["replicated"])
+            sharded = model["sharded"]
+            if mesh is not None:
+                assert sharded is target["model"]["sharded"], "DTensor target must be filled in place"
+                sharded = sharded.full_tensor()
+            assert torch.equal(sharded, full["sharded"])
+            assert torch.equal(restored.state["optim"]["state"][0]["small"], full["small"])
+            assert restored.state["meta"] == {"step": want, "pair": (want, "x")}
+            saved_world = restored.manifest.world_size
+            if rank < saved_world:
+                assert int(restored.rank_state["rank"]) == rank * 1000 + want, restored.rank_state
+            else:
+                assert restored.rank_state is None
+        print("LOADED", restored.step, restored.tier, saved_world)
+
+    elif scenario == "busy":
+        # Rank 1's writer is slow; the skip decision must still be the same on both ranks.
+        gate = threading.Event()
+        original = Pipeline._write
+
+        def slow_write(self: Pipeline, job: object) -> None:
+            if rank == 1:
+                gate.wait(30)
+            original(self, job)
+
+        Pipeline._write = slow_write  # type: ignore[method-assign]
+        with CheckpointManager(config(args, when_busy="skip")) as manager:
+            first = manager.save(1, state_for(1, mesh))
+            second = manager.save(2, state_for(2, mesh))
+            gate.set()
+            manager.wait()
+            third = manager.save(3, state_for(3, mesh))
+            manager.wait()
+        assert first is not None and second is None and third is not None, (first, second, third)
+        print("BUSY", manager.stats.skipped)
+
+    elif scenario == "fail":
+        # Rank 1 cannot write its shard: no rank may commit, and every rank must raise with context.
+        from resilience import pipeline as pipeline_module
+
+        original_write_data = pipeline_module._RecordingWriter.write_data
+
+        def failing(self: object, plan: object, planner: object) -> object:
+            if rank == 1:
+                raise OSError(28, "No space left on device")
+            return original_write_data(self, plan, planner)  # type: ignore[arg-type]
+
+        pipeline_module._RecordingWriter.write_data = failing  # type: ignore[method-assign]
+        manager = CheckpointManager(config(args))
+        manager.save(1, state_for(1, mesh))
+        try:
+            manager.wait()
+        except CheckpointError as exc:
+            print("RAISED", exc)
+        else:
+            raise AssertionError("the failed save did not raise")
+        manager.close()
+
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
