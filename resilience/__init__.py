@@ -1,34 +1,48 @@
 """Framework-free engine: async sharded checkpoints, commit protocol, tiers, discovery and resume.
 
-Imports neither Lightning nor Accelerate; the adapter packages build on it.
+Imports neither Lightning nor Accelerate; the adapter packages build on it. Names are imported on first
+use, so that the ``resilience`` command does not pay for importing torch when it only lists or checks files.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from resilience.config import CheckpointConfig
-from resilience.errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    ConfigError,
-    CorruptCheckpointError,
-    NoCheckpointError,
-    ResilienceError,
-)
-from resilience.loader import Restored
-from resilience.manager import CheckpointManager, SaveStats
-from resilience.pipeline import SaveHandle
+_EXPORTS = {
+    "CheckpointConfig": "resilience.config",
+    "CheckpointError": "resilience.errors",
+    "CheckpointExistsError": "resilience.errors",
+    "ConfigError": "resilience.errors",
+    "CorruptCheckpointError": "resilience.errors",
+    "NoCheckpointError": "resilience.errors",
+    "ResilienceError": "resilience.errors",
+    "Restored": "resilience.loader",
+    "CheckpointManager": "resilience.manager",
+    "SaveStats": "resilience.manager",
+    "SaveHandle": "resilience.pipeline",
+}
 
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointError",
-    "CheckpointExistsError",
-    "CheckpointManager",
-    "ConfigError",
-    "CorruptCheckpointError",
-    "NoCheckpointError",
-    "ResilienceError",
-    "Restored",
-    "SaveHandle",
-    "SaveStats",
-    "__version__",
-]
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from resilience.config import CheckpointConfig as CheckpointConfig
+    from resilience.errors import CheckpointError as CheckpointError
+    from resilience.errors import CheckpointExistsError as CheckpointExistsError
+    from resilience.errors import ConfigError as ConfigError
+    from resilience.errors import CorruptCheckpointError as CorruptCheckpointError
+    from resilience.errors import NoCheckpointError as NoCheckpointError
+    from resilience.errors import ResilienceError as ResilienceError
+    from resilience.loader import Restored as Restored
+    from resilience.manager import CheckpointManager as CheckpointManager
+    from resilience.manager import SaveStats as SaveStats
+    from resilience.pipeline import SaveHandle as SaveHandle
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilience' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -14,13 +14,6 @@ from resilience.errors import ResilienceError
 from resilience.storage import Tier
 
 Command = Callable[[argparse.Namespace], int]
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
-
-
-def register(add_parser: Callable[[Any], None]) -> Callable[[Any], None]:
-    """Let another module add a subcommand (``add_parser(subparsers)``); used by the report module."""
-    _EXTRA_COMMANDS.append(add_parser)
-    return add_parser
 
 
 def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -169,8 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", metavar="FILE.png", help="also write a timeline picture (needs matplotlib)")
     report.set_defaults(func=cmd_report)
 
-    for add in _EXTRA_COMMANDS:
-        add(sub)
     return parser
 
 

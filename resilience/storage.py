@@ -171,6 +171,8 @@ class Tier:
             self.fs.pipe_file(path, data, mode="create")
 
     def put_file(self, local_path: str, path: str) -> None:
+        if self.is_local:  # object stores have no directories; a local destination needs its parent
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         self.fs.put_file(local_path, path)
 
     def remove_dir(self, path: str) -> None:
