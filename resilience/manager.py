@@ -57,9 +57,16 @@ class CheckpointManager:
         config: Where and how; see :class:`CheckpointConfig`.
         listeners: Called (from background threads) with a dict per event: ``local_commit``,
             ``durable_commit``, ``failed``, ``skipped``, ``upload_retry``, ``upload_skipped``, ``deleted``.
+        protected_steps: Called (from background threads) before retention deletes anything; steps it returns
+            are kept beyond ``keep_last`` (e.g. the best-k checkpoints a framework still refers to).
     """
 
-    def __init__(self, config: CheckpointConfig, listeners: list[Listener] | None = None):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        listeners: list[Listener] | None = None,
+        protected_steps: Callable[[], set[int]] | None = None,
+    ):
         self.config = config
         self.listeners: list[Listener] = list(listeners or [])
         self.local = Tier("local", config.local_root)
@@ -86,6 +93,7 @@ class CheckpointManager:
             self.local_shared,
             self.listeners,
             self._note_committed,
+            protected_steps or set,
         )
         self._closed = False
 
@@ -118,6 +126,11 @@ class CheckpointManager:
                     log.info("removing uncommitted leftover %s", entry.where())
                     self.local.remove_dir(entry.path)
         self.groups.control.barrier()
+
+    def has_step(self, step: int) -> bool:
+        """Whether ``step`` is committed or being saved (in either tier)."""
+        with self._committed_lock:
+            return step in self._known_steps
 
     def _note_committed(self, step: int) -> None:
         with self._committed_lock:

@@ -162,6 +162,7 @@ class Pipeline:
         local_shared: bool,
         listeners: list[Listener],
         committed: Callable[[int], None],
+        protected_steps: Callable[[], set[int]],
     ):
         self.config = config
         self.local = local
@@ -175,6 +176,7 @@ class Pipeline:
         self.is_local_leader = self.rank == 0 if local_shared else self.rank == min(topology.ranks_on_my_host())
         self.listeners = listeners
         self._on_committed = committed
+        self._protected_steps = protected_steps
         self.errors: list[CheckpointError] = []
         self._errors_lock = threading.Lock()
         self._broken: str | None = None
@@ -490,17 +492,19 @@ class Pipeline:
                 future.result()
 
     def _fail_durable(self, job: UploadJob, error: CheckpointError) -> None:
-        job.handle._finish_durable(error)
-        self._emit("failed", job.step, tier="durable", error=str(error))
+        # recorded before the handle wakes its waiter, so the next save() is sure to see it
         if self.config.on_upload_error == "raise":
             self._record(error)
         else:
             log.warning("%s; training continues on the local tier (on_upload_error='warn')", error)
+        job.handle._finish_durable(error)
+        self._emit("failed", job.step, tier="durable", error=str(error))
 
     # ---- shared ----------------------------------------------------------------------------------------------
 
     def _apply_retention(self, tier: Tier, protect: set[int]) -> None:
         try:
+            protect = protect | set(self._protected_steps())
             entries = scan(tier)
             doomed = steps_to_delete(
                 [e.step for e in entries if e.committed],
