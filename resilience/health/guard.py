@@ -1,0 +1,410 @@
+"""The step-boundary face of health monitoring: what adapters call, and what they are told to do.
+
+Faults arrive on background threads at arbitrary moments, but a checkpoint can only be taken between steps
+and only if every rank takes it at the same step. So the guard turns what this rank saw into one number,
+agrees with the other ranks on the worst (one all-reduce MAX on a gloo group of its own, so it never
+interleaves with the job's NCCL traffic or the checkpoint threads' groups) and answers the same
+:class:`Decision` on every rank.
+
+Typical use by an adapter::
+
+    guard = HealthGuard(HealthConfig())          # collective under torch.distributed
+    guard.start()                                # main thread: installs signal handlers
+    for step in ...:
+        train_step()
+        decision = guard.on_step(step)
+        if decision.stop:
+            guard.emergency_save(manager, step, state, rank_state)
+            guard.stop()                          # exits with decision.exit_code
+        elif decision.save:
+            manager.save(step, state, rank_state)
+    guard.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch.distributed as dist
+
+from resilience.dist import Channel, is_distributed
+from resilience.errors import CheckpointExistsError, ConfigError
+from resilience.health.config import HealthConfig
+from resilience.health.events import EventLog, Listener
+from resilience.health.faults import FaultEvent, Severity
+from resilience.health.injection import FaultInjector, Injection, parse_injections
+from resilience.health.nvml import HealthMonitor, default_devices, load_nvml
+from resilience.health.signals import SignalWatcher
+from resilience.health.simulated import SimulatedNVML
+from resilience.health.watchdog import HangWatchdog
+
+if TYPE_CHECKING:
+    from resilience.manager import CheckpointManager
+
+log = logging.getLogger(__name__)
+
+# How long a step boundary waits for the monitor thread to report a fault this rank just injected, so that a
+# drill's fault stops the job at the step it names (the monitor normally sees it within 0.05 s).
+_INJECTED_SEEN_TIMEOUT_S = 5.0
+
+
+class Action(str, Enum):
+    CONTINUE = "continue"
+    WARN = "warn"
+    SAVE_AND_STOP = "save_and_stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The same answer on every rank for one step boundary.
+
+    Attributes:
+        action: ``continue``; ``warn`` (a degraded fault somewhere; training goes on); ``save_and_stop``.
+        step: The step all ranks agreed at.
+        severity: The worst severity of all ranks.
+        reason: This rank's fault details, or which rank reported it.
+        source_rank: The (highest-numbered) rank that reported the worst severity.
+        save: Checkpoint now (always with ``save_and_stop``; with ``warn`` when ``save_on_degraded``).
+        exit_code: The code :meth:`HealthGuard.stop` exits with.
+        fault_time: Wall-clock time of this rank's fault, or of the decision when another rank had it; the
+            emergency save's grace period runs from here.
+        events: This rank's events behind the decision.
+    """
+
+    action: Action
+    step: int
+    severity: Severity = Severity.OK
+    reason: str = ""
+    source_rank: int | None = None
+    save: bool = False
+    exit_code: int | None = None
+    fault_time: float | None = None
+    events: tuple[FaultEvent, ...] = ()
+
+    @property
+    def stop(self) -> bool:
+        return self.action is Action.SAVE_AND_STOP
+
+
+@dataclass
+class EmergencySave:
+    """What an emergency save got committed, with times measured from the fault.
+
+    ``durable_committed`` is None without a durable tier. ``already_saved``: the step had been saved
+    before the fault (a regular save at the same step); that save was waited for instead.
+    """
+
+    step: int
+    local_committed: bool = False
+    durable_committed: bool | None = None
+    already_saved: bool = False
+    block_s: float | None = None
+    fault_to_local_s: float | None = None
+    fault_to_durable_s: float | None = None
+    error: str | None = None
+
+
+def emergency_save(
+    manager: CheckpointManager,
+    step: int,
+    state: Any = None,
+    rank_state: Any = None,
+    *,
+    grace_s: float,
+    fault_time: float | None = None,
+    save: Callable[[], object] | None = None,
+) -> EmergencySave:
+    """Save ``step`` and wait for it within ``grace_s`` seconds of ``fault_time`` (default: now). Collective.
+
+    The local commit gets the time first; the durable commit gets what is left, and its upload goes on in
+    the background after this returns. Never raises for a failed save: the caller is about to stop either
+    way, and the error is in the result (and the log). ``save``, if given, replaces ``manager.save(step,
+    state, rank_state)``: a framework's own save of this step through the same manager (it builds the state).
+    """
+    start = time.time() if fault_time is None else fault_time
+    deadline = time.monotonic() + max(0.0, grace_s - (time.time() - start))
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    result = EmergencySave(step, durable_committed=False if manager.durable is not None else None)
+    try:
+        if save is not None:
+            result.already_saved = manager.has_step(step)
+            save()
+            result.local_committed = manager.wait(left())
+        else:
+            try:
+                handle = manager.save(step, state, rank_state)
+                if handle is None:  # the previous save was still being written and when_busy="skip"
+                    manager.wait(left())
+                    handle = manager.save(step, state, rank_state)
+                    if handle is None:
+                        raise TimeoutError("the previous save did not finish in time, so this one was skipped")
+                result.block_s = handle.timings.get("block_s")
+                result.local_committed = handle.wait_local(left())
+            except CheckpointExistsError:
+                result.already_saved = True
+                result.local_committed = manager.wait(left())
+        if result.local_committed:
+            result.fault_to_local_s = time.time() - start
+            if manager.durable is not None:
+                result.durable_committed = manager.wait(left(), durable=True)
+                if result.durable_committed:
+                    result.fault_to_durable_s = time.time() - start
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    _log_emergency(manager.rank, result, grace_s)
+    return result
+
+
+def _log_emergency(rank: int, result: EmergencySave, grace_s: float) -> None:
+    if not result.local_committed:
+        log.error(
+            "rank %d: emergency save of step %d not committed within %.1f s of the fault (%s); a restart "
+            "resumes from the newest earlier checkpoint",
+            rank,
+            result.step,
+            grace_s,
+            result.error or "timed out",
+        )
+        return
+    durable = {
+        None: "no durable tier",
+        True: f"durable after {result.fault_to_durable_s or 0:.1f} s",
+        False: f"upload failed: {result.error}" if result.error else "upload still running",
+    }[result.durable_committed]
+    log.warning(
+        "rank %d: emergency save of step %d committed locally %.1f s after the fault (%s)",
+        rank,
+        result.step,
+        result.fault_to_local_s or 0.0,
+        durable,
+    )
+
+
+class HealthGuard:
+    """Watches GPU health, preemption signals and step times; agrees across ranks at step boundaries.
+
+    Construction is collective when ``torch.distributed`` is initialised with more than one rank (it creates
+    the gloo group of the health check). Call :meth:`start` on the main thread, :meth:`on_step` at every
+    step boundary on every rank, and :meth:`close` at the end (or use ``with``).
+
+    Args:
+        config: Settings (defaults: :class:`HealthConfig`).
+        nvml: Object with the ``pynvml`` module's names to use instead of the module (tests, wrappers).
+        listeners: Called with every :class:`FaultEvent`, from the thread that saw it: metrics hooks.
+    """
+
+    def __init__(self, config: HealthConfig | None = None, *, nvml: Any = None, listeners: Iterable[Listener] = ()):
+        self.config = config or HealthConfig()
+        self.rank = dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0") or 0)
+        self.events = EventLog(self.rank, listeners)
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        self._channel = Channel(dist.new_group(backend="gloo", timeout=timeout) if is_distributed() else None)
+        self.signals = SignalWatcher(
+            self.config.signal_numbers, self.events, self.config.table, chain=self.config.chain_signals
+        )
+        self.monitor: HealthMonitor | None = None
+        self.watchdog: HangWatchdog | None = None
+        self.stopping: Decision | None = None
+        self._nvml = nvml
+        self._injections: list[Injection] = list(self.config.injections)
+        self._injector = FaultInjector([], self.rank)
+        self._started = False
+        self._exiting = False
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+
+    def inject(self, spec: str | Injection) -> None:
+        """Plan faults (``RESILIENCE_INJECT`` syntax, or an :class:`Injection`); call before :meth:`start`."""
+        if self._started:
+            raise RuntimeError("inject() must come before start(): GPU faults need the NVML stand-in in place")
+        self._injections += parse_injections(spec) if isinstance(spec, str) else [spec]
+
+    def start(self) -> HealthGuard:
+        """Install the signal handlers (main thread only) and start the monitor and watchdog threads."""
+        if self._started:
+            return self
+        self._started = True
+        mine = [i for i in self._injections if i.rank in (None, self.rank)]
+        unwatched = [i for i in mine if i.fault == "signal" and i.value not in self.signals.signals]
+        if unwatched:
+            raise ConfigError(
+                f"injected {unwatched[0]} is not among the watched signals {[s.name for s in self.signals.signals]}; "
+                "its default action would kill the process instead of stopping it cleanly"
+            )
+        nvml = self._nvml if self._nvml is not None else load_nvml() if self.config.nvml else None
+        simulated = self._simulated(nvml, mine)
+        self._injector = FaultInjector(mine, self.rank, simulated)
+        self.signals.install()
+        if self.config.nvml:
+            devices = list(self.config.devices) if self.config.devices is not None else default_devices()
+            self.monitor = HealthMonitor(
+                simulated or nvml, self.events, self.config.table, devices, poll_interval_s=self.config.poll_interval_s
+            )
+            if not self.monitor.start() and simulated is not None:
+                self.close()
+                raise ConfigError(f"GPU faults are injected ({mine}) but the NVML monitor could not start (see log)")
+        if self.config.watchdog:
+            self.watchdog = HangWatchdog(
+                self.events,
+                self.config.table,
+                factor=self.config.hang_factor,
+                min_s=self.config.hang_min_s,
+                min_samples=self.config.hang_min_samples,
+                window=self.config.hang_window,
+            )
+            self.watchdog.start()
+        return self
+
+    def _simulated(self, nvml: Any, mine: list[Injection]) -> SimulatedNVML | None:
+        """The NVML stand-in GPU faults are injected into, or None when none are planned for this rank."""
+        if not any(i.kind is not None for i in mine):
+            return None
+        if not self.config.nvml:
+            raise ConfigError(f"GPU faults are injected ({mine}) but HealthConfig.nvml is False")
+        if nvml is None:
+            raise ConfigError("GPU fault injection needs nvidia-ml-py: pip install 'training-resilience[nvml]'")
+        return nvml if isinstance(nvml, SimulatedNVML) else SimulatedNVML(nvml, passthrough=True)
+
+    def close(self) -> None:
+        """Stop the threads and give back the signal handlers (kept while :meth:`stop` exits)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._exiting:
+            self.signals.restore()
+        if self.monitor is not None:
+            self.monitor.close()
+        if self.watchdog is not None:
+            self.watchdog.close()
+        if self._channel.group is not None:
+            dist.destroy_process_group(self._channel.group)
+            self._channel = Channel(None)
+
+    def __enter__(self) -> HealthGuard:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- step boundary -------------------------------------------------------------------------------------
+
+    def on_step(self, step: int) -> Decision:
+        """Call at every step boundary on every rank, with the same ``step``; collective on checked steps."""
+        if not self._started or self._closed:
+            raise RuntimeError("HealthGuard.on_step() needs start() first (and no close() yet)")
+        self.events.step = step
+        if self.watchdog is not None:
+            self.watchdog.on_step(step)
+        before = len(self.events)
+        kinds = {i.kind for i in self._injector.fire(step) if i.kind is not None}
+        if kinds and not self.events.wait_for(kinds, before, _INJECTED_SEEN_TIMEOUT_S):
+            log.warning(
+                "rank %d: the monitor did not report the injected %s within %.0f s",
+                self.rank,
+                sorted(k.value for k in kinds),
+                _INJECTED_SEEN_TIMEOUT_S,
+            )
+        self.signals.drain()
+        if step % self.config.check_every_n_steps:
+            return Decision(Action.CONTINUE, step)
+        return self._decide(step)
+
+    def _decide(self, step: int) -> Decision:
+        unhandled = self.events.unhandled()
+        local = max((e.severity for e in unhandled), default=Severity.OK)
+        # One all-reduce: the worst severity with the rank that has it, and the step range to catch
+        # adapters that call on_step with different steps on different ranks.
+        code, highest, negated_lowest = self._channel.max([int(local) << 32 | self.rank, step, -step])
+        if highest != -negated_lowest:
+            raise RuntimeError(
+                f"ranks called on_step with different steps ({-negated_lowest} to {highest}); the health check "
+                "must run at the same step on every rank"
+            )
+        severity, source = Severity(code >> 32), code & 0xFFFFFFFF
+        if severity is Severity.OK:
+            return Decision(Action.CONTINUE, step)
+        mine = tuple(e for e in unhandled if e.severity == severity)
+        reason = "; ".join(e.detail for e in mine) or f"rank {source} reported a {severity.name.lower()} fault"
+        if severity < Severity.PREEMPTION:
+            self.events.consume_below(Severity.PREEMPTION)
+            if self.rank == 0:
+                log.warning("degraded fault at step %d (rank %d): %s; training continues", step, source, reason)
+            return Decision(Action.WARN, step, severity, reason, source, save=self.config.save_on_degraded, events=mine)
+        exit_code = (
+            self.config.exit_code_preempted if severity is Severity.PREEMPTION else self.config.exit_code_gpu_fault
+        )
+        fault_time = min((e.time for e in mine), default=time.time())
+        decision = Decision(Action.SAVE_AND_STOP, step, severity, reason, source, True, exit_code, fault_time, mine)
+        if self.stopping is None:
+            self.stopping = decision
+            log.error("rank %d: all ranks save step %d and stop (exit code %d): %s", self.rank, step, exit_code, reason)
+        return decision
+
+    def emergency_save(
+        self,
+        manager: CheckpointManager,
+        step: int,
+        state: Any = None,
+        rank_state: Any = None,
+        *,
+        save: Callable[[], object] | None = None,
+    ) -> EmergencySave:
+        """:func:`emergency_save` with the configured grace period, counted from this rank's fault."""
+        fault_time = self.stopping.fault_time if self.stopping is not None else None
+        return emergency_save(
+            manager, step, state, rank_state, grace_s=self.config.grace_s, fault_time=fault_time, save=save
+        )
+
+    def stop(self, exit_code: int | None = None) -> NoReturn:
+        """Leave the process with ``exit_code`` (default: the stop decision's) so a launcher restarts it.
+
+        Raises SystemExit, so ``finally`` blocks and framework teardown run, after arming a timer that
+        forces the same exit code with ``os._exit`` if the process is still alive ``exit_timeout_s`` later
+        (a hung teardown or non-daemon thread would otherwise keep an elastic agent from restarting). Signal
+        handlers stay installed, so a second SIGTERM during teardown cannot change the exit code.
+        """
+        if exit_code is None:
+            if self.stopping is None or self.stopping.exit_code is None:
+                raise ValueError("no stop decision yet: pass the exit code to stop() explicitly")
+            exit_code = self.stopping.exit_code
+        self._exiting = True
+        self.close()
+        log.warning("rank %d: exiting with code %d for the launcher to restart or requeue", self.rank, exit_code)
+        _force_exit_later(exit_code, self.config.exit_timeout_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(exit_code)
+
+    # ---- for adapters and metrics --------------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener) -> None:
+        self.events.listeners.append(listener)
+
+    def paused(self) -> AbstractContextManager[None]:
+        """Wrap work between steps that is not a step (validation, a blocking save) so it is not a hang."""
+        return self.watchdog.suspended() if self.watchdog is not None else nullcontext()
+
+
+def _force_exit_later(exit_code: int, after_s: float) -> None:
+    def force() -> None:
+        # No logging here: its locks may be held by the very thread that is stuck.
+        os.write(2, f"resilience: still running {after_s:g} s after stop; forcing exit {exit_code}\n".encode())
+        os._exit(exit_code)
+
+    timer = threading.Timer(after_s, force)
+    timer.daemon = True
+    timer.start()

@@ -1,0 +1,87 @@
+"""Preemption signals: real signals to this process, handlers that only record, chaining and restoring."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+import pytest
+
+from resilience.errors import ConfigError
+from resilience.health import FaultTable, Kind, Severity, SignalWatcher
+from resilience.health.events import EventLog
+from resilience.health.signals import parse_signal
+
+
+@pytest.fixture
+def previous() -> Iterator[list[int]]:
+    """A Python handler installed before the watcher, as a framework would have; restored afterwards."""
+    seen: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        seen.append(signum)
+
+    original = signal.signal(signal.SIGUSR1, handler)
+    yield seen
+    signal.signal(signal.SIGUSR1, original)
+
+
+def test_sigterm_becomes_a_preemption_event_at_the_next_drain() -> None:
+    events = EventLog(rank=2)
+    watcher = SignalWatcher(["SIGTERM", "SIGUSR1"], events, FaultTable())
+    watcher.install()
+    try:
+        before = time.time()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert events.events == [], "the handler records only; the event is made at the step boundary"
+        (event,) = watcher.drain()
+    finally:
+        watcher.restore()
+    assert event.kind is Kind.SIGNAL and event.severity is Severity.PREEMPTION
+    assert "received SIGTERM" in event.detail and event.rank == 2
+    assert before <= event.time <= time.time()
+    assert watcher.drain() == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_previous_handler_is_chained_only_when_asked_and_restored(previous: list[int], chain: bool) -> None:
+    original = signal.getsignal(signal.SIGUSR1)
+    watcher = SignalWatcher(["USR1"], EventLog(rank=0), FaultTable(), chain=chain)
+    watcher.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert len(watcher.drain()) == 1
+    finally:
+        watcher.restore()
+    assert previous == ([signal.SIGUSR1] if chain else [])
+    assert signal.getsignal(signal.SIGUSR1) is original
+
+
+def test_install_off_the_main_thread_says_why() -> None:
+    watcher = SignalWatcher(["SIGTERM"], EventLog(rank=0), FaultTable())
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            watcher.install()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+def test_signal_names_and_numbers() -> None:
+    assert parse_signal("SIGTERM") is signal.SIGTERM
+    assert parse_signal("usr1") is signal.SIGUSR1
+    assert parse_signal(int(signal.SIGUSR2)) is signal.SIGUSR2
+    assert parse_signal(str(int(signal.SIGINT))) is signal.SIGINT
+    with pytest.raises(ConfigError, match="unknown signal 'SIGFOO'"):
+        parse_signal("SIGFOO")
