@@ -1,0 +1,128 @@
+"""How often to save, from what a save costs and how often the job fails (Young's first-order optimum).
+
+Saving every T seconds costs C/T of the time in blocking saves, and a failure throws away T/2 of work on
+average, T/(2 MTBF) of the time. The sum is smallest at T = sqrt(2 C MTBF), where both parts are equal.
+Daly's higher-order correction changes T by well under 1% while C is seconds and MTBF hours, so it is left
+out. Assumptions: failures independent at a steady rate; C is the *blocking* part of a save (an async
+save's background write is free unless it delays the next save); restart and restore time do not depend on T.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass
+
+# Llama 3 pre-training: 419 interruptions in 54 days on 16,384 GPUs, about one per 5.8 GPU-years.
+PER_GPU_MTBF_S = 54 * 86400 * 16384 / 419
+
+
+def young_daly_interval(cost_s: float, mtbf_s: float, *, min_s: float = 0.0, max_s: float = math.inf) -> float:
+    """sqrt(2 * cost_s * mtbf_s), clamped to [min_s, max_s]."""
+    if cost_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"cost_s={cost_s}, mtbf_s={mtbf_s}: need cost_s >= 0 and mtbf_s > 0")
+    return min(max_s, max(min_s, math.sqrt(2.0 * cost_s * mtbf_s)))
+
+
+@dataclass(frozen=True)
+class IntervalPlan:
+    """A chosen save interval and what it is expected to cost."""
+
+    interval_s: float
+    interval_steps: int | None
+    cost_s: float | None
+    mtbf_s: float
+    mtbf_source: str
+    step_s: float | None
+    clamped: bool
+    expected_overhead: float
+    expected_lost_s_per_failure: float
+    expected_waste: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        steps = f" ({self.interval_steps} steps)" if self.interval_steps is not None else ""
+        cost = f"{self.cost_s:.2f} s blocking per save" if self.cost_s is not None else "no save measured yet"
+        return (
+            f"save every {self.interval_s:.0f} s{steps}{' (clamped)' if self.clamped else ''}: {cost}, "
+            f"MTBF {self.mtbf_s / 3600:.1f} h ({self.mtbf_source}); expected overhead "
+            f"{100 * self.expected_overhead:.2f}%, {self.expected_lost_s_per_failure:.0f} s of work lost per "
+            f"failure, {100 * self.expected_waste:.2f}% of time wasted in all"
+        )
+
+
+class AdaptiveInterval:
+    """The save interval for ``save_every="auto"``: re-planned as saves are measured and failures observed.
+
+    Args:
+        mtbf_s: Mean time between failures of the whole job, when known; else estimated from the run.
+        world_size: Scales the prior MTBF (:data:`PER_GPU_MTBF_S` per GPU) before any failure is seen.
+        min_s, max_s: Clamp of the interval; before any save is measured, the interval is ``min_s`` so the
+            first save comes early and gives a cost.
+        history: How many recent saves' blocking costs the median is taken over (one slow save, e.g. the
+            first with its allocations, does not swing the interval).
+    """
+
+    def __init__(
+        self,
+        *,
+        mtbf_s: float | None = None,
+        world_size: int = 1,
+        min_s: float = 60.0,
+        max_s: float = 6 * 3600.0,
+        history: int = 5,
+    ) -> None:
+        if min_s <= 0 or max_s < min_s:
+            raise ValueError(f"min_s={min_s}, max_s={max_s}: need 0 < min_s <= max_s")
+        self.mtbf_s = mtbf_s
+        self.prior_mtbf_s = PER_GPU_MTBF_S / max(1, world_size)
+        self.min_s = min_s
+        self.max_s = max_s
+        self._costs: deque[float] = deque(maxlen=history)
+        self._uptime_s = 0.0
+        self._failures = 0
+
+    def observe_cost(self, block_s: float) -> None:
+        """A save blocked training this long (``SaveHandle.timings["block_s"]`` plus any staging wait)."""
+        self._costs.append(block_s)
+
+    def observe_run(self, uptime_s: float, failures: int) -> None:
+        """The run so far (e.g. ``summary.uptime_s``, ``summary.failures`` of :func:`summarize`)."""
+        self._uptime_s, self._failures = uptime_s, failures
+
+    def mtbf(self) -> tuple[float, str]:
+        """MTBF and where it came from: given, observed (uptime per failure), or the prior.
+
+        With no failure seen yet, the run's uptime is a lower bound, so the larger of it and the prior is used.
+        """
+        if self.mtbf_s is not None:
+            return self.mtbf_s, "given"
+        if self._failures:
+            return self._uptime_s / self._failures, "observed"
+        return max(self.prior_mtbf_s, self._uptime_s), "prior"
+
+    def plan(self, step_s: float | None = None) -> IntervalPlan:
+        """The interval now; ``step_s`` (wall seconds per step) converts it to steps."""
+        mtbf_s, source = self.mtbf()
+        cost = statistics.median(self._costs) if self._costs else None
+        if cost is None:
+            interval, clamped = self.min_s, False
+        else:
+            raw = math.sqrt(2.0 * cost * mtbf_s)
+            interval = young_daly_interval(cost, mtbf_s, min_s=self.min_s, max_s=self.max_s)
+            clamped = interval != raw
+        return IntervalPlan(
+            interval_s=interval,
+            interval_steps=max(1, round(interval / step_s)) if step_s else None,
+            cost_s=cost,
+            mtbf_s=mtbf_s,
+            mtbf_source=source,
+            step_s=step_s,
+            clamped=clamped,
+            expected_overhead=(cost or 0.0) / interval,
+            expected_lost_s_per_failure=interval / 2.0,
+            expected_waste=(cost or 0.0) / interval + interval / (2.0 * mtbf_s),
+        )

@@ -1,0 +1,288 @@
+"""Where a training process's wall time goes, written as it happens so the account survives kills and restarts.
+
+The process is always inside exactly one *period*. A boundary call (:meth:`GoodputLedger.startup_done`,
+:meth:`~GoodputLedger.step_begin`, :meth:`~GoodputLedger.step_end`, :meth:`~GoodputLedger.end`) closes the
+period and gives its time to one bucket, minus the measured pieces reported inside it (data wait, checkpoint
+stall, restore, emergency handling). Every second is counted once, so an incarnation's buckets add up to its
+lifetime by construction.
+
+Periods are summed in memory and written as one ``span`` line about every ``span_s`` seconds: the hot path
+is a clock read and a few additions. Only rank 0 writes: ranks move in lockstep through collectives, so one
+clock describes the job, and per-rank data wait goes to metrics instead (see :mod:`resilience.goodput.data`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
+
+LEDGER_DIR = "goodput"
+FORMAT_VERSION = 1
+# Buckets a running process fills; the summary adds "lost" (reclassified productive time) and "downtime".
+PROCESS_BUCKETS = ("productive", "data_wait", "checkpoint", "restore", "startup", "emergency", "other")
+COMPLETED = "completed"
+
+
+def ledger_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / LEDGER_DIR
+
+
+def process_start_time() -> float | None:
+    """Unix time this process started (Linux), so interpreter and import time count as startup."""
+    try:
+        with open("/proc/self/stat") as handle:
+            # The command name may hold spaces and parentheses; fields after the last ')' are fixed.
+            started = int(handle.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        # Both counted from boot; the kernel's boot time in /proc/stat is whole seconds, too coarse.
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, IndexError, ValueError, AttributeError):
+        return None
+
+
+class GoodputLedger:
+    """Accounts the wall time of one incarnation (one process lifetime) of a training run.
+
+    Args:
+        run_dir: Directory shared by every incarnation of the run (the checkpoint directory is a good
+            choice); events go to ``<run_dir>/goodput/incarnation-<NNNNNN>.jsonl``.
+        rank: Only rank 0 writes unless ``write`` says otherwise; other ranks keep the in-memory account.
+        span_s: How often accumulated periods are written (seconds of wall time). A kill loses at most this
+            much of the account; it then shows as downtime.
+        process_start: Unix time the incarnation began (default: this process's start, else now).
+        write: Whether this instance writes the file (default: ``rank == 0``).
+        clock: Monotonic clock in seconds (a test passes a fake one).
+        wall: Unix clock, used only to place the incarnation in time.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        rank: int = 0,
+        *,
+        span_s: float = 10.0,
+        process_start: float | None = None,
+        write: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.rank = rank
+        self.span_s = span_s
+        self._clock = clock
+        now, wall_now = clock(), wall()
+        start = process_start if process_start is not None else process_start_time()
+        start = wall_now if start is None else min(start, wall_now)
+        self._perf_ref, self._wall_ref = now, wall_now
+        self._mark = now - (wall_now - start)
+        self._start = self._span_t0 = self._mark
+        self._wait = 0.0  # data wait, apart from the other pieces: it comes every step
+        self._carved: dict[str, float] = {}
+        self._residual = "startup"
+        self._acc = dict.fromkeys(PROCESS_BUCKETS, 0.0)
+        self.totals = dict.fromkeys(PROCESS_BUCKETS, 0.0)
+        self._steps = 0
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+        self._lock = threading.Lock()
+        self._file: TextIO | None = None
+        self.path: Path | None = None
+        if rank == 0 if write is None else write:
+            self._open(ledger_dir(run_dir), start)
+            atexit.register(self.flush)
+
+    # ---- boundaries: each closes the current period -------------------------------------------------------
+
+    def startup_done(self) -> None:
+        """Training is about to start: the time so far (interpreter, imports, model build, restore) was startup.
+
+        Written at once, so an incarnation that dies at its first step still shows its startup and restore.
+        """
+        self._close("startup", self._clock())
+        self._residual = "other"
+        self._write_span()
+
+    def step_begin(self) -> None:
+        """Optional: the gap since the last step (logging, validation, callbacks) goes to ``other``.
+
+        Without it, a step's period runs from the previous boundary, so everything between steps that is not
+        reported as a measured piece counts as productive.
+        """
+        self._close(self._residual, self._clock())
+        self._residual = "other"
+
+    def step_end(self, step: int) -> None:
+        """A training step finished; ``step`` is the number of steps done (the number checkpoints are named by).
+
+        Before startup ended (no ``startup_done``/``step_begin`` yet) the first step counts as startup, which
+        also absorbs compilation and warm-up.
+        """
+        now = self._clock()
+        self._close("productive" if self._residual == "other" else "startup", now)
+        self._residual = "other"
+        if self._first_step is None:
+            self._first_step = step
+        self._last_step = step
+        self._steps += 1
+        if now - self._span_t0 >= self.span_s:
+            self._write_span()
+
+    # ---- measured pieces: carved out of the period they happened in --------------------------------------
+
+    def data_wait(self, seconds: float) -> None:
+        """Time the training loop blocked on the data loader (``next()``); overlapped loading is not badput."""
+        self._wait += seconds
+
+    def checkpoint_stall(self, seconds: float, step: int) -> None:
+        """Time a save blocked training (staging, waiting for the previous save), not the background write."""
+        self._carve("checkpoint", seconds, step=step)
+
+    def restored(self, step: int | None, seconds: float) -> None:
+        """Discovery and load took ``seconds`` and resumed at ``step`` (None: nothing to resume, a fresh start).
+
+        Report it before the boundary that ends the period it happened in (before ``startup_done``).
+        """
+        self._carve("restore", seconds, step=step)
+
+    def emergency(self, seconds: float, reason: str) -> None:
+        """Time spent on fault handling (emergency save, draining, health checks after an error)."""
+        self._carve("emergency", seconds, reason=reason)
+
+    # ---- markers and output ---------------------------------------------------------------------------------
+
+    def fault(self, reason: str, step: int | None = None) -> None:
+        """A fault was seen (GPU error, preemption notice); a marker only, the time goes on as before."""
+        self.note("fault", reason=reason, step=step)
+
+    def note(self, kind: str, **fields: Any) -> None:
+        """Write an informational event (no time accounting); safe from background threads."""
+        self._write({"e": kind, "t": self._to_wall(self._clock()), **fields})
+
+    def flush(self) -> None:
+        """Write what has accumulated and sync it to disk (call at checkpoint time and before stopping)."""
+        self._write_span()
+        self._sync()
+
+    def end(self, reason: str = COMPLETED) -> None:
+        """Close the incarnation; any reason but ``"completed"`` counts as a failure (an interruption)."""
+        now = self._clock()
+        self._close(self._residual, now)
+        self._write_span()
+        self._write({"e": "end", "t": self._to_wall(now), "reason": reason})
+        self._sync()
+        atexit.unregister(self.flush)
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def metrics(self) -> dict[str, float]:
+        """Live figures of this incarnation for loggers (the whole run's are in :func:`summarize`)."""
+        closed = {b: self.totals[b] + self._acc[b] for b in PROCESS_BUCKETS}
+        elapsed = self._clock() - self._start
+        return {
+            "goodput/incarnation_pct": 100.0 * closed["productive"] / elapsed if elapsed > 0 else 0.0,
+            **{f"goodput/{b}_s": v for b, v in closed.items()},
+        }
+
+    # ---- internals ------------------------------------------------------------------------------------------
+
+    def _carve(self, bucket: str, seconds: float, **fields: Any) -> None:
+        self._carved[bucket] = self._carved.get(bucket, 0.0) + seconds
+        self.note(bucket, seconds=seconds, **fields)
+
+    def _close(self, bucket: str, now: float) -> None:
+        period = now - self._mark
+        self._mark = now
+        acc = self._acc
+        wait, pieces = self._wait, self._carved
+        if wait or pieces:
+            carved = wait + sum(pieces.values()) if pieces else wait
+            # Pieces reported as longer than the period they fall in (overlapping measurements) are scaled
+            # down to fit, so no second is counted twice.
+            scale = 1.0 if carved <= period else period / carved
+            acc["data_wait"] += wait * scale
+            for name, seconds in pieces.items():
+                acc[name] += seconds * scale
+            pieces.clear()
+            self._wait = 0.0
+            period -= carved * scale
+        acc[bucket] += period
+
+    def _write_span(self) -> None:
+        acc = self._acc
+        if not any(acc.values()):
+            return
+        record: dict[str, Any] = {
+            "e": "span",
+            "t0": self._to_wall(self._span_t0),
+            "t1": self._to_wall(self._mark),
+            "s": {b: round(v, 6) for b, v in acc.items() if v},
+        }
+        if self._steps:
+            record.update(first_step=self._first_step, last_step=self._last_step, steps=self._steps)
+        for name, value in acc.items():
+            self.totals[name] += value
+            acc[name] = 0.0
+        self._span_t0 = self._mark
+        self._steps = 0
+        self._first_step = None
+        self._write(record)
+
+    def _to_wall(self, perf: float) -> float:
+        return round(self._wall_ref + (perf - self._perf_ref), 6)
+
+    def _open(self, directory: Path, start: float) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        numbers = (p.stem.removeprefix("incarnation-") for p in directory.glob("incarnation-*.jsonl"))
+        index = max((int(n) for n in numbers if n.isdigit()), default=-1) + 1
+        while True:
+            path = directory / f"incarnation-{index:06d}.jsonl"
+            try:
+                self._file = open(path, "x", encoding="utf-8")  # noqa: SIM115 (lives as long as the ledger)
+                break
+            except FileExistsError:
+                index += 1
+        self.path = path
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        self._write(
+            {
+                "e": "start",
+                "v": FORMAT_VERSION,
+                "t": round(start, 6),
+                "ledger_t": self._to_wall(self._perf_ref),
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "rank": self.rank,
+                "restart_count": int(restarts) if restarts and restarts.isdigit() else None,
+            }
+        )
+        self._sync()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is None:
+                return
+            try:
+                self._file.write(line)
+                self._file.flush()
+            except OSError as exc:  # accounting must never stop training
+                log.warning("goodput ledger %s: write failed (%s); further events are dropped", self.path, exc)
+                self._file = None
+
+    def _sync(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    os.fsync(self._file.fileno())
+                except OSError as exc:
+                    log.debug("goodput ledger %s: fsync failed: %s", self.path, exc)

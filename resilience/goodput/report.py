@@ -1,0 +1,90 @@
+"""``resilience report RUN_DIR``: where a run's wall time went, as a table, JSON, or a timeline picture."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from resilience.goodput.summary import LABELS, GoodputSummary, Incarnation, summarize
+
+
+def duration(seconds: float) -> str:
+    """Short human duration: 950ms, 42.1s, 12m 05s, 3h 02m."""
+    if seconds < 1:
+        return f"{1e3 * seconds:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m"
+
+
+def headline(summary: GoodputSummary) -> str:
+    mtbf = summary.observed_mtbf_s
+    return (
+        f"Goodput {summary.goodput_pct:.1f}% of {duration(summary.wall_s)} wall time: "
+        f"{len(summary.incarnations)} incarnation(s), {summary.failures} failure(s)"
+        + (f", MTBF {duration(mtbf)}" if mtbf is not None else "")
+    )
+
+
+def _ended(inc: Incarnation, last: bool) -> str:
+    if inc.end_reason is not None:
+        return inc.end_reason
+    return "running or killed" if last else "killed (no end record)"
+
+
+def render_table(summary: GoodputSummary) -> str:
+    lines = [headline(summary), ""]
+    lines.append(f"{'BUCKET':<22} {'TIME':>10} {'% WALL':>7}")
+    for name, seconds in summary.buckets.items():
+        pct = 100.0 * seconds / summary.wall_s if summary.wall_s > 0 else 0.0
+        lines.append(f"{LABELS[name]:<22} {duration(seconds):>10} {pct:>6.1f}%")
+    lines.append(f"{'total':<22} {duration(summary.wall_s):>10} {100.0:>6.1f}%")
+    lines += [
+        "",
+        f"{'#':>3}  {'STARTED':<19}  {'UP':>8}  {'DOWN BEFORE':>11}  {'RESUMED AT':>10}  "
+        f"{'REDONE':>6}  {'REACHED':>7}  {'LOST':>8}  ENDED",
+    ]
+    for inc in summary.incarnations:
+        if inc.restored_step is None or (inc.index == 0 and inc.restore_inferred):
+            resumed = "-"
+        else:
+            resumed = f"{inc.restored_step}{'?' if inc.restore_inferred else ''}"
+        lines.append(
+            f"{inc.index:>3}  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(inc.start)):<19}  "
+            f"{duration(inc.uptime_s):>8}  {duration(inc.downtime_before_s) if inc.index else '-':>11}  "
+            f"{resumed:>10}  {inc.redone_steps if inc.index else '-':>6}  "
+            f"{'-' if inc.last_step is None else inc.last_step:>7}  {duration(inc.lost_s):>8}  "
+            f"{_ended(inc, inc is summary.incarnations[-1])}"
+        )
+    lines.append("")
+    lines.append(
+        "RESUMED AT: step restored ('?': inferred from the first step done); REDONE: steps done before that had "
+        "to be done again; LOST: this incarnation's productive time thrown away by a later resume."
+    )
+    if summary.skipped_lines:
+        lines.append(
+            f"{summary.skipped_lines} unreadable ledger line(s) skipped (a kill mid-write tears the last one)."
+        )
+    return "\n".join(lines)
+
+
+def run_report(run_dir: str, *, as_json: bool = False, plot: str | None = None) -> int:
+    summary = summarize(run_dir)
+    if plot:
+        from resilience.goodput.plot import plot_timeline
+
+        plot_timeline(summary, plot)
+    if as_json:
+        print(json.dumps(summary.to_dict(), indent=1))
+    else:
+        print(render_table(summary))
+        if plot:
+            print(f"\ntimeline written to {plot}")
+    if plot and as_json:
+        print(f"timeline written to {plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,267 @@
+"""The whole life of a run from its ledger files: buckets, goodput, and what each restart cost.
+
+Two things only become known across incarnations, so they are worked out here rather than while training:
+
+* **Lost progress.** When an incarnation resumes at step ``s``, every earlier incarnation's work on steps
+  after ``s`` is thrown away and will be redone. That productive time moves to ``lost`` (it is not counted
+  twice). A span's steps are taken as equally long, so a span straddling ``s`` gives up its share.
+* **Downtime.** The time between one incarnation's last record and the next one's process start: the job was
+  down, queued, or hung (a killed incarnation loses at most its last ``span_s`` of account, which lands here).
+
+The buckets add up to the wall time by construction: within an incarnation the ledger fills them from
+contiguous spans, lost time is moved rather than added, and downtime is the gaps between incarnations
+(clamped at zero when clocks of different hosts disagree, which then stretches the wall time to match).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilience.errors import ResilienceError
+from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, ledger_dir
+
+log = logging.getLogger(__name__)
+
+BUCKETS = ("productive", "data_wait", "checkpoint", "restore", "startup", "lost", "emergency", "other", "downtime")
+LABELS = {
+    "productive": "productive steps",
+    "data_wait": "data wait",
+    "checkpoint": "checkpoint stall",
+    "restore": "restore",
+    "startup": "startup",
+    "lost": "lost progress",
+    "emergency": "emergency handling",
+    "other": "other (eval, logging)",
+    "downtime": "downtime",
+}
+
+
+@dataclass
+class Span:
+    """One ``span`` line: contiguous accounted time and the steps finished in it."""
+
+    t0: float
+    t1: float
+    seconds: dict[str, float]
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    lost_s: float = 0.0
+
+    def lost_share(self, kept_upto: float) -> float:
+        """Fraction of this span's steps above ``kept_upto`` (steps equally long, numbered consecutively)."""
+        if self.first_step is None or self.last_step is None or self.last_step <= kept_upto:
+            return 0.0
+        if self.first_step > kept_upto:
+            return 1.0
+        return min(1.0, (self.last_step - kept_upto) / (self.last_step - self.first_step + 1))
+
+
+@dataclass
+class Incarnation:
+    """One process lifetime of the run, as its ledger file tells it."""
+
+    index: int
+    path: str
+    start: float
+    end: float
+    pid: int | None
+    host: str | None
+    restart_count: int | None
+    end_reason: str | None
+    restored_step: int | None
+    restore_inferred: bool
+    first_step: int | None
+    last_step: int | None
+    buckets: dict[str, float]
+    downtime_before_s: float = 0.0
+    redone_steps: int = 0
+    lost_s: float = 0.0
+    failed: bool = False
+    spans: list[Span] = field(default_factory=list, repr=False)
+    events: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def uptime_s(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        row = asdict(self)
+        row.pop("spans")
+        row.pop("events")
+        row["uptime_s"] = self.uptime_s
+        return row
+
+
+@dataclass
+class GoodputSummary:
+    """Buckets in seconds over the run's whole life; ``buckets`` sums to ``wall_s``."""
+
+    run_dir: str
+    start: float
+    end: float
+    wall_s: float
+    buckets: dict[str, float]
+    incarnations: list[Incarnation]
+    failures: int
+    skipped_lines: int
+
+    @property
+    def goodput_pct(self) -> float:
+        return 100.0 * self.buckets["productive"] / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def uptime_s(self) -> float:
+        return sum(inc.uptime_s for inc in self.incarnations)
+
+    @property
+    def observed_mtbf_s(self) -> float | None:
+        """Uptime per failure; None before the first failure."""
+        return self.uptime_s / self.failures if self.failures else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": self.run_dir,
+            "start": self.start,
+            "end": self.end,
+            "wall_s": self.wall_s,
+            "goodput_pct": self.goodput_pct,
+            "buckets": dict(self.buckets),
+            "buckets_pct": {b: 100.0 * s / self.wall_s if self.wall_s > 0 else 0.0 for b, s in self.buckets.items()},
+            "failures": self.failures,
+            "uptime_s": self.uptime_s,
+            "observed_mtbf_s": self.observed_mtbf_s,
+            "skipped_lines": self.skipped_lines,
+            "incarnations": [inc.to_dict() for inc in self.incarnations],
+        }
+
+
+def read_events(path: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """Records of one ledger file and how many lines were unreadable (a kill mid-write tears the last one)."""
+    records: list[dict[str, Any]] = []
+    skipped = 0
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if isinstance(record, dict) and "e" in record:
+                records.append(record)
+            else:
+                skipped += 1
+    return records, skipped
+
+
+def summarize(run_dir: str | os.PathLike[str]) -> GoodputSummary:
+    """Read every incarnation of the run under ``run_dir`` (or its ``goodput/`` folder itself)."""
+    directory = Path(run_dir)
+    if directory.name != LEDGER_DIR and ledger_dir(directory).is_dir():
+        directory = ledger_dir(directory)
+    files = sorted(directory.glob("incarnation-*.jsonl"))
+    if not files:
+        raise ResilienceError(
+            f"No goodput ledger under {run_dir}: expected {LEDGER_DIR}/incarnation-*.jsonl, written by "
+            "GoodputLedger(run_dir) on rank 0 (the Lightning and Accelerate adapters do this when goodput is on)"
+        )
+    incarnations: list[Incarnation] = []
+    skipped = 0
+    for path in files:
+        records, bad = read_events(path)
+        skipped += bad
+        incarnation = _incarnation(len(incarnations), path, records)
+        if incarnation is None:
+            log.warning("goodput ledger %s has no start record; ignored", path)
+            continue
+        incarnations.append(incarnation)
+    if not incarnations:
+        raise ResilienceError(f"No readable goodput ledger file under {directory}")
+    _account_restarts(incarnations)
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    for inc in incarnations:
+        for name, seconds in inc.buckets.items():
+            buckets[name] += seconds
+    return GoodputSummary(
+        run_dir=str(run_dir),
+        start=incarnations[0].start,
+        end=incarnations[-1].end,
+        wall_s=sum(buckets.values()),
+        buckets=buckets,
+        incarnations=incarnations,
+        failures=sum(inc.failed for inc in incarnations),
+        skipped_lines=skipped,
+    )
+
+
+def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incarnation | None:
+    start = next((r for r in records if r["e"] == "start"), None)
+    if start is None:
+        return None
+    spans = [
+        Span(r["t0"], r["t1"], r.get("s", {}), r.get("first_step"), r.get("last_step"), r.get("steps", 0))
+        for r in records
+        if r["e"] == "span"
+    ]
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    for span in spans:
+        for name, seconds in span.seconds.items():
+            buckets[name if name in buckets else "other"] += seconds
+    stepped = [s for s in spans if s.last_step is not None]
+    restores = [r for r in records if r["e"] == "restore"]
+    end = next((r for r in reversed(records) if r["e"] == "end"), None)
+    first_step = stepped[0].first_step if stepped else None
+    restored_step: int | None
+    if restores:  # a restore that found nothing (step None) is a fresh start: every earlier step is redone
+        restored_step = restores[-1].get("step")
+        restored_step = 0 if restored_step is None else restored_step
+    else:  # no restore reported: the first step done says where it resumed
+        restored_step = first_step - 1 if first_step is not None else None
+    return Incarnation(
+        index=index,
+        path=str(path),
+        start=start["t"],
+        end=spans[-1].t1 if spans else start["t"],
+        pid=start.get("pid"),
+        host=start.get("host"),
+        restart_count=start.get("restart_count"),
+        end_reason=end.get("reason") if end else None,
+        restored_step=restored_step,
+        restore_inferred=not restores,
+        first_step=first_step,
+        last_step=max((s.last_step for s in stepped if s.last_step is not None), default=None),
+        buckets=buckets,
+        spans=spans,
+        events=[r for r in records if r["e"] not in ("start", "span")],
+    )
+
+
+def _account_restarts(incarnations: list[Incarnation]) -> None:
+    """Downtime, redone steps, lost productive time and failures: facts that need the neighbours."""
+    reached: int | None = None
+    for before, inc in zip([None, *incarnations[:-1]], incarnations, strict=True):
+        if before is not None:
+            inc.downtime_before_s = max(0.0, inc.start - before.end)
+            inc.buckets["downtime"] = inc.downtime_before_s
+            if reached is not None and inc.restored_step is not None:
+                inc.redone_steps = max(0, reached - inc.restored_step)
+        if inc.last_step is not None:
+            reached = inc.last_step if reached is None else max(reached, inc.last_step)
+    kept_upto = float("inf")  # the lowest step any later incarnation resumed from
+    for inc in reversed(incarnations):
+        for span in inc.spans:
+            span.lost_s = span.seconds.get("productive", 0.0) * span.lost_share(kept_upto)
+            inc.lost_s += span.lost_s
+        inc.buckets["productive"] -= inc.lost_s
+        inc.buckets["lost"] += inc.lost_s
+        if inc.restored_step is not None:
+            kept_upto = min(kept_upto, inc.restored_step)
+    last = incarnations[-1]
+    for inc in incarnations:
+        # The newest incarnation without an end record may still be running: not a failure yet.
+        inc.failed = inc.end_reason != COMPLETED and (inc.end_reason is not None or inc is not last)

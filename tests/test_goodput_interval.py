@@ -1,0 +1,63 @@
+"""Young/Daly save interval against hand-computed values, and MTBF from the run's own ledger."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from resilience.goodput import AdaptiveInterval, summarize, young_daly_interval
+from resilience.goodput.interval import PER_GPU_MTBF_S
+from tests.workers.goodput_sim import incarnation
+
+
+def test_young_daly_by_hand() -> None:
+    assert young_daly_interval(10.0, 18_000.0) == pytest.approx(600.0)  # sqrt(2 * 10 * 18000)
+    assert young_daly_interval(0.5, 3_600.0) == pytest.approx(60.0)
+    assert young_daly_interval(10.0, 18_000.0, min_s=900.0) == 900.0
+    assert young_daly_interval(10.0, 18_000.0, max_s=300.0) == 300.0
+    with pytest.raises(ValueError, match="mtbf_s"):
+        young_daly_interval(1.0, 0.0)
+
+
+def test_plan_uses_the_median_cost_and_reports_what_it_expects() -> None:
+    adaptive = AdaptiveInterval(mtbf_s=18_000.0, min_s=60.0, max_s=7_200.0)
+    for cost in (10.0, 12.0, 8.0, 50.0, 10.0):  # one slow save does not swing it
+        adaptive.observe_cost(cost)
+    plan = adaptive.plan(step_s=1.5)
+    assert plan.cost_s == 10.0 and plan.mtbf_source == "given" and not plan.clamped
+    assert plan.interval_s == pytest.approx(600.0) and plan.interval_steps == 400
+    assert plan.expected_overhead == pytest.approx(10 / 600)
+    assert plan.expected_lost_s_per_failure == pytest.approx(300.0)
+    # At the optimum, blocking and lost work cost the same: 10/600 + 600/36000.
+    assert plan.expected_waste == pytest.approx(2 * 10 / 600)
+    assert plan.to_dict()["interval_steps"] == 400
+    assert "save every 600 s (400 steps)" in plan.describe()
+
+
+def test_mtbf_observed_from_the_run_ledger(tmp_path: Path) -> None:
+    t = incarnation(tmp_path, 0.0, restore=None, steps=3590, end=None)  # 10 s startup + 3590 steps = 1 h up
+    t = incarnation(tmp_path, t + 600.0, restore=3500, steps=3585, end="preempted")
+    incarnation(tmp_path, t + 600.0, restore=7000, steps=100, end=None)  # still running
+    summary = summarize(tmp_path)
+    assert summary.failures == 2
+    adaptive = AdaptiveInterval()
+    adaptive.observe_run(summary.uptime_s, summary.failures)
+    adaptive.observe_cost(2.0)
+    mtbf, source = adaptive.mtbf()
+    assert source == "observed" and mtbf == pytest.approx(summary.uptime_s / 2)
+    assert adaptive.plan().interval_s == pytest.approx(math.sqrt(2 * 2.0 * mtbf))
+
+
+def test_prior_before_any_failure_and_before_any_save() -> None:
+    adaptive = AdaptiveInterval(world_size=1024, min_s=120.0, max_s=3_600.0)
+    first = adaptive.plan(step_s=2.0)
+    assert first.interval_s == 120.0 and first.cost_s is None and first.interval_steps == 60
+    mtbf, source = adaptive.mtbf()
+    assert source == "prior" and mtbf == pytest.approx(PER_GPU_MTBF_S / 1024)
+    adaptive.observe_run(uptime_s=10 * mtbf, failures=0)  # no failure in a long time: at least that long
+    assert adaptive.mtbf() == (pytest.approx(10 * mtbf), "prior")
+    adaptive.observe_cost(30.0)
+    plan = adaptive.plan()
+    assert plan.clamped and plan.interval_s == 3_600.0

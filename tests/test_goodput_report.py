@@ -1,0 +1,68 @@
+"""`resilience report`: the table, the JSON summary and the timeline PNG of a run with restarts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilience.cli import main as cli
+from resilience.goodput.summary import BUCKETS
+from tests.workers.goodput_sim import incarnation
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """Killed at step 120, resumed at 100 after 5 min down, preempted at 250, resumed at 250, finished."""
+    t = incarnation(tmp_path, 1_700_000_000.0, restore=None, steps=120, wait_s=0.1, save_every=50, end=None)
+    t = incarnation(tmp_path, t + 300, restore=100, steps=150, wait_s=0.1, save_every=50, end="preempted")
+    incarnation(tmp_path, t + 60, restore=250, steps=200, wait_s=0.1, save_every=50)
+    return tmp_path
+
+
+def test_json_summary(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["report", str(run_dir), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data["buckets"]) == list(BUCKETS)
+    assert sum(data["buckets"].values()) == pytest.approx(data["wall_s"])
+    assert sum(data["buckets_pct"].values()) == pytest.approx(100.0)
+    assert data["goodput_pct"] == pytest.approx(100 * data["buckets"]["productive"] / data["wall_s"])
+    assert data["buckets"]["lost"] == pytest.approx(20.0) and data["buckets"]["downtime"] == pytest.approx(360.0)
+    assert data["failures"] == 2 and data["observed_mtbf_s"] == pytest.approx(data["uptime_s"] / 2)
+    rows = data["incarnations"]
+    assert [(r["restored_step"], r["redone_steps"], r["last_step"]) for r in rows] == [
+        (0, 0, 120),
+        (100, 20, 250),
+        (250, 0, 450),
+    ]
+    assert [r["end_reason"] for r in rows] == [None, "preempted", "completed"]
+
+
+def test_table_and_png(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "timeline.png"
+    assert cli(["report", str(run_dir / "goodput"), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Goodput ") and "3 incarnation(s), 2 failure(s)" in out
+    for label in ("productive steps", "lost progress", "checkpoint stall", "downtime", "killed (no end record)"):
+        assert label in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(str(png)).shape
+    assert width > 1000 and height > 400
+
+
+def test_missing_matplotlib_names_the_extra(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli(["report", str(run_dir), "--plot", str(tmp_path / "x.png")]) == 2
+    assert "pip install 'training-resilience[report]'" in capsys.readouterr().err
+
+
+def test_no_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["report", str(tmp_path)]) == 2
+    assert "No goodput ledger" in capsys.readouterr().err
