@@ -1,0 +1,11 @@
+"""Lightning adapter: an async distributed CheckpointIO, a DDP strategy whose ranks all write, and callbacks.
+
+Importing this package registers the ``"resilient_ddp"`` strategy name.
+"""
+
+from lightning_resilience.auto_resume import AutoResume
+from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+from lightning_resilience.health import HealthGuardCallback
+from lightning_resilience.strategy import ResilientDDPStrategy
+
+__all__ = ["AutoResume", "HealthGuardCallback", "ResilientCheckpointIO", "ResilientDDPStrategy"]

@@ -1,0 +1,74 @@
+"""``ResilientDDPStrategy``: DDP where every rank takes part in a save, so each writes its own part.
+
+Lightning's base strategy calls the CheckpointIO on rank 0 only. That is right for ``torch.save`` of a full
+state, but a sharded, deduplicated save is collective: every rank must join. Overriding
+``Strategy.save_checkpoint`` in a strategy subclass is the pattern Lightning itself uses for sharded
+strategies (``ModelParallelStrategy``); it is selected by name (``strategy="resilient_ddp"``), by class, or by
+``class_path`` in a LightningCLI config, and needs no change to the user's module or callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+
+from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+
+
+class ResilientDDPStrategy(DDPStrategy):
+    """DDP with collective, asynchronous checkpoint saves through :class:`ResilientCheckpointIO`.
+
+    Takes every argument of ``DDPStrategy``. Without a ``checkpoint_io`` (here or as a Trainer plugin) it uses
+    ``ResilientCheckpointIO()`` with its defaults.
+    """
+
+    strategy_name = "resilient_ddp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(
+                "ResilientDDPStrategy needs start_method='popen' (processes launched by Lightning, torchrun or "
+                "SLURM): spawn-based launchers save on rank 0 only to hand weights back to the parent process"
+            )
+        super().__init__(*args, **kwargs)
+
+    @property  # type: ignore[override]
+    def checkpoint_io(self) -> ResilientCheckpointIO:  # type: ignore[override]
+        io = self._checkpoint_io
+        if io is None:
+            io = self._checkpoint_io = ResilientCheckpointIO()
+        if not isinstance(io, ResilientCheckpointIO):
+            raise TypeError(
+                f"ResilientDDPStrategy needs a ResilientCheckpointIO, got {type(io).__name__}: remove the other "
+                "CheckpointIO plugin, or use strategy='ddp' with it"
+            )
+        return io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        # every rank writes its shards; rank 0's name for the checkpoint is the one all ranks use
+        filepath = self.broadcast(filepath)
+        io = self.checkpoint_io
+        io.collective = True
+        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DDP whose checkpoint saves are async and written by every rank"
+        )
+        strategy_registry.register(
+            "resilient_ddp_find_unused_parameters_true",
+            cls,
+            description="resilient_ddp with find_unused_parameters=True",
+            find_unused_parameters=True,
+        )
+
+
+ResilientDDPStrategy.register_strategies(StrategyRegistry)
