@@ -11,6 +11,7 @@ from resilience.errors import ConfigError
 WhenBusy = Literal["wait", "skip"]
 VerifyLevel = Literal["size", "full"]
 OnUploadError = Literal["raise", "warn"]
+StagingBarrier = Literal["optimizer_step", "forward"]
 
 
 @dataclass
@@ -29,8 +30,12 @@ class CheckpointConfig:
         keep_every: Also keep every checkpoint whose step is a multiple of this (milestones).
         when_busy: What a save does while the previous one is still being staged or written: ``"wait"`` for it,
             or ``"skip"`` the new one (counted and warned).
-        async_staging: Copy the state to host memory in the background; the caller must then call
-            ``wait_for_staging()`` before it next changes the state (before ``optimizer.step()``).
+        async_staging: Copy the state to host memory in the background. Until the copy is done, the next
+            ``optimizer.step()`` (of any optimizer) first waits for it, through a global optimizer pre-step hook
+            that exists only while a copy is pending; callers may also call ``wait_for_staging()`` themselves.
+        staging_barrier: Where that wait happens: ``"optimizer_step"`` (copy overlaps forward and backward;
+            the torchtitan pattern) or ``"forward"`` (before the next module forward, for models whose forward
+            changes saved state, such as BatchNorm running statistics).
         pin_memory: Page-lock the host buffers (default: when the state holds CUDA tensors).
         fsync: Flush shards and manifest to stable storage before the local commit.
         write_threads: Files per rank written in parallel by DCP.
@@ -54,6 +59,7 @@ class CheckpointConfig:
     keep_every: int | None = None
     when_busy: WhenBusy = "wait"
     async_staging: bool = False
+    staging_barrier: StagingBarrier = "optimizer_step"
     pin_memory: bool | None = None
     fsync: bool = True
     write_threads: int = 1
@@ -79,6 +85,7 @@ class CheckpointConfig:
             raise ConfigError(f"keep_every={self.keep_every}: use a positive step count, or None for no milestones")
         _check_choice("when_busy", self.when_busy, ("wait", "skip"))
         _check_choice("verify", self.verify, ("size", "full"))
+        _check_choice("staging_barrier", self.staging_barrier, ("optimizer_step", "forward"))
         _check_choice("on_upload_error", self.on_upload_error, ("raise", "warn"))
         for name in ("write_threads", "upload_concurrency"):
             if getattr(self, name) < 1:

@@ -19,6 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
 from resilience import catalog
 from resilience.config import CheckpointConfig
 from resilience.dist import Groups
@@ -81,6 +85,7 @@ class CheckpointManager:
         self.stats = SaveStats()
         self._stager = HostStager(config.pin_memory)
         self._staging: StagingJob | None = None
+        self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
         self._committed_lock = threading.Lock()
         self.pipeline = Pipeline(
@@ -217,7 +222,9 @@ class CheckpointManager:
                 "allow_pickle=True",
                 flat.pickled[:5],
             )
-        self._staging = staging if self.config.async_staging else None
+        if self.config.async_staging:
+            self._staging = staging
+            self._arm_staging_barrier()
         self._inflight = handle
         self.stats.saves += 1
         self.stats.block_s.append(block_s)
@@ -225,11 +232,27 @@ class CheckpointManager:
 
     def wait_for_staging(self) -> None:
         """With ``async_staging``: return once the state may be changed again (call before ``optimizer.step()``)."""
+        for hook in self._barrier_hooks:
+            hook.remove()
+        self._barrier_hooks = []
         if self._staging is not None:
             t0 = time.monotonic()
             self._staging.release_source()
             self.stats.staging_wait_s += time.monotonic() - t0
             self._staging = None
+
+    def _arm_staging_barrier(self) -> None:
+        """Make the next state change wait for the pending copy, without the caller having to remember.
+
+        The hooks are global and exist only while a copy is pending, so they cost nothing between saves.
+        """
+
+        def barrier(*_: Any) -> None:
+            self.wait_for_staging()
+
+        if self.config.staging_barrier == "forward":
+            self._barrier_hooks.append(register_module_forward_pre_hook(barrier))
+        self._barrier_hooks.append(register_optimizer_step_pre_hook(barrier))
 
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> bool:
         """Wait until the last save is committed locally (and durably with ``durable``); raise its error."""

@@ -258,3 +258,24 @@ def test_tampered_dcp_metadata_is_refused_before_unpickling(tmp_path: Path) -> N
     os.utime(metadata)
     with manager(tmp_path) as m, pytest.warns(UserWarning, match=r"\.metadata"):
         assert m.load() is None
+
+
+@pytest.mark.parametrize("barrier", ["optimizer_step", "forward"])
+def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, barrier: str) -> None:
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with manager(tmp_path, async_staging=True, staging_barrier=barrier) as m:
+        m.save(1, {"model": model.state_dict()})
+        assert m._staging is not None and m._barrier_hooks, "a pending copy arms the barrier"
+        model(torch.ones(2, 64)).sum().backward()
+        if barrier == "forward":
+            assert m._staging is None, "the forward must have waited for the copy"
+        optimizer.step()  # without calling wait_for_staging(): the hook does it
+        assert m._staging is None and not m._barrier_hooks, "the barrier is disarmed once the copy is done"
+        m.wait()
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None
+    for key, value in saved.items():
+        assert torch.equal(restored.state["model"][key], value)
