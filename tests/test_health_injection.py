@@ -109,6 +109,14 @@ def test_injection_for_another_rank_does_nothing_here(drill: Callable[..., Healt
     assert guard.events.events == []
 
 
+def test_a_restarted_run_that_resumes_after_the_drill_step_is_not_hit_again(
+    drill: Callable[..., HealthGuard],
+) -> None:
+    guard = drill("xid=79@step=6", rank=0)  # the same environment as the run the drill stopped at step 6
+    assert all(guard.on_step(step).action is Action.CONTINUE for step in range(7, 12))
+    assert guard.events.events == []
+
+
 def test_injected_signal_must_be_watched(drill: Callable[..., HealthGuard]) -> None:
     from resilience.errors import ConfigError
 

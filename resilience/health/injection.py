@@ -135,11 +135,24 @@ class FaultInjector:
         self.rank = rank
         self.nvml = nvml
         self.pending = sorted((i for i in injections if i.rank in (None, rank)), key=lambda i: i.step)
+        self._first_step: int | None = None
         if nvml is None and any(i.kind is not None for i in self.pending):
             raise ConfigError("GPU fault injection needs an NVML stand-in to inject into")
 
     def fire(self, step: int) -> list[Injection]:
-        """Inject every planned fault due at ``step``; returns what was injected."""
+        """Inject every planned fault due at ``step``; returns what was injected.
+
+        A fault planned for a step this process never passes through (a restarted run resumed after it) is
+        dropped, not fired late: the drill already happened in the run that was there.
+        """
+        if self._first_step is None:
+            self._first_step = step
+            skipped = [i for i in self.pending if i.step < step]
+            self.pending = self.pending[len(skipped) :]
+            for injection in skipped:
+                log.info(
+                    "rank %d: %s was due before this run's first step %d; not injected", self.rank, injection, step
+                )
         due = [i for i in self.pending if i.step <= step]
         self.pending = self.pending[len(due) :]
         for injection in due:
