@@ -1,0 +1,166 @@
+"""The plugin dataclass: checkpoint settings for an Accelerate job, defaulting from ``ACCELERATE_RESILIENCE_*``.
+
+``accelerate launch`` configures Accelerate's own plugins through environment variables that their
+``__post_init__`` reads (``FullyShardedDataParallelPlugin`` reads ``FSDP_*``), and its YAML config rejects keys
+it does not know. The environment is therefore the one channel a launcher, a SLURM script or a cluster
+template can use to configure a third-party plugin without editing the training script; this plugin reads it
+the same way: a field left at ``None`` takes its variable, else its default.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from resilience.config import CheckpointConfig
+from resilience.errors import ConfigError
+
+ENV_PREFIX = "ACCELERATE_RESILIENCE_"
+DEFAULT_KEEP_LAST = 3
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _integer(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number: set it to one, e.g. {name}=3") from None
+
+
+def _boolean(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean: use true/false (or 1/0, yes/no, on/off)")
+
+
+def _json_object(name: str, raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{name} is not valid JSON ({exc.msg} at position {exc.pos}): give a JSON object, "
+            f'e.g. {name}=\'{{"endpoint_url": "http://127.0.0.1:9000"}}\''
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object of fsspec options, not a {type(value).__name__}")
+    return value
+
+
+def _env(default: Any, parse: Callable[[str, str], Any]) -> dict[str, Any]:
+    """Field metadata: how ``__post_init__`` fills a field left at ``None`` (its variable, else ``default``)."""
+    return {"default": default, "parse": parse}
+
+
+@dataclass
+class ResiliencePlugin:
+    """How and where an Accelerate job checkpoints; pass it to :func:`accelerate_resilience.attach`.
+
+    Every field left at ``None`` is read from ``ACCELERATE_RESILIENCE_<FIELD>`` (e.g.
+    ``ACCELERATE_RESILIENCE_DURABLE_URL``), else takes the default shown.
+
+    Args:
+        local_dir: Fast checkpoint tier (node-local disk or a shared file system). Default: ``<project_dir>/
+            resilience`` when the Accelerator has a ``ProjectConfiguration(project_dir=...)``.
+        durable_url: fsspec URL (``s3://bucket/run``, ``gs://...``) that committed checkpoints are uploaded to
+            in the background, and that a resume on a fresh machine reads from. Default: none.
+        storage_options: fsspec options for ``durable_url`` (endpoint, profile, ...); as JSON in the variable.
+            Never logged.
+        every_n_steps: Save automatically every N optimizer steps (when the next batch is drawn, so the step,
+            its scheduler step and the data position are complete). Default: only when you call ``save()``.
+        keep_last: Newest checkpoints kept per tier (at least 2). Default: the ``ProjectConfiguration``'s
+            ``total_limit`` (raised to 2), else 3.
+        keep_every: Also keep every checkpoint whose step is a multiple of this. Default: none.
+        async_staging: Copy the state to host memory in the background too, so a save blocks for
+            milliseconds and the copy overlaps the next forward and backward; it is waited for before the next
+            optimizer step (and before a forward that updates BatchNorm statistics). Tensors changed elsewhere
+            (a forward that updates other buffers, ``register_for_checkpointing`` objects) must not change
+            before that step; turn it off for those. Default: true.
+        when_busy: ``"wait"`` for the previous save, or ``"skip"`` this one while it is still being written.
+        on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` trains on with the local tier.
+        verify: What a resume checks before trusting a checkpoint: ``"size"`` or ``"full"`` (all checksums).
+        allow_pickle: Load state values that could only be stored as pickles (they run code when loaded).
+        health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
+            fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
+            Default: false.
+    """
+
+    local_dir: str | None = field(default=None, metadata=_env(None, _text))
+    durable_url: str | None = field(default=None, metadata=_env(None, _text))
+    storage_options: dict[str, Any] | None = field(default=None, repr=False, metadata=_env({}, _json_object))
+    every_n_steps: int | None = field(default=None, metadata=_env(None, _integer))
+    keep_last: int | None = field(default=None, metadata=_env(None, _integer))
+    keep_every: int | None = field(default=None, metadata=_env(None, _integer))
+    async_staging: bool | None = field(default=None, metadata=_env(True, _boolean))
+    when_busy: str | None = field(default=None, metadata=_env("wait", _text))
+    on_upload_error: str | None = field(default=None, metadata=_env("raise", _text))
+    verify: str | None = field(default=None, metadata=_env("size", _text))
+    allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
+    health: bool | None = field(default=None, metadata=_env(False, _boolean))
+    from_env: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            if not item.init or getattr(self, item.name) is not None:
+                continue
+            name = env_name(item.name)
+            raw = os.environ.get(name, "").strip()
+            if raw:
+                setattr(self, item.name, item.metadata["parse"](name, raw))
+                self.from_env[item.name] = name
+            else:
+                setattr(self, item.name, copy.deepcopy(item.metadata["default"]))
+        if not isinstance(self.storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict of fsspec options, not {type(self.storage_options)}")
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ConfigError(
+                self._blame(
+                    f"every_n_steps={self.every_n_steps}: use a positive number of optimizer steps, or leave it "
+                    "unset to save only when save() is called"
+                )
+            )
+        self.checkpoint_config(local_dir=self.local_dir or ".")  # checks the rest now, not at the first save
+
+    def checkpoint_config(self, *, local_dir: str | None = None, keep_last: int | None = None) -> CheckpointConfig:
+        """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator."""
+        root = self.local_dir or local_dir
+        if not root:
+            raise ConfigError(
+                f"ResiliencePlugin has no local_dir: pass local_dir=..., set {env_name('local_dir')}, or give the "
+                "Accelerator a ProjectConfiguration(project_dir=...)"
+            )
+        try:
+            return CheckpointConfig(
+                local_root=root,
+                durable_url=self.durable_url or None,
+                storage_options=dict(self.storage_options or {}),
+                keep_last=self.keep_last or keep_last or DEFAULT_KEEP_LAST,
+                keep_every=self.keep_every,
+                when_busy=self.when_busy,  # type: ignore[arg-type]
+                async_staging=bool(self.async_staging),
+                on_upload_error=self.on_upload_error,  # type: ignore[arg-type]
+                verify=self.verify,  # type: ignore[arg-type]
+                allow_pickle=bool(self.allow_pickle),
+            )
+        except ConfigError as exc:
+            raise ConfigError(self._blame(str(exc))) from None
+
+    def _blame(self, message: str) -> str:
+        """Name the environment variable behind a bad value: the fix is there, not in the script."""
+        for name, variable in self.from_env.items():
+            if message.startswith(f"{name}="):
+                return f"{message} (set by {variable})"
+        return message

@@ -1,0 +1,97 @@
+"""ResiliencePlugin: settings from ``ACCELERATE_RESILIENCE_*`` and errors that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from accelerate_resilience import ResiliencePlugin
+from resilience.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ACCELERATE_RESILIENCE_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_fields_default_from_environment(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("ACCELERATE_RESILIENCE_LOCAL_DIR", "/fast/ckpt")
+    clean_env.setenv("ACCELERATE_RESILIENCE_DURABLE_URL", "s3://bucket/run")
+    clean_env.setenv("ACCELERATE_RESILIENCE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:9000"}')
+    clean_env.setenv("ACCELERATE_RESILIENCE_EVERY_N_STEPS", "50")
+    clean_env.setenv("ACCELERATE_RESILIENCE_KEEP_LAST", "4")
+    clean_env.setenv("ACCELERATE_RESILIENCE_KEEP_EVERY", "1000")
+    clean_env.setenv("ACCELERATE_RESILIENCE_ASYNC_STAGING", "off")
+    clean_env.setenv("ACCELERATE_RESILIENCE_HEALTH", "1")
+    clean_env.setenv("ACCELERATE_RESILIENCE_WHEN_BUSY", "skip")
+    plugin = ResiliencePlugin()
+    assert plugin.local_dir == "/fast/ckpt"
+    assert plugin.durable_url == "s3://bucket/run"
+    assert plugin.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
+    assert (plugin.every_n_steps, plugin.keep_last, plugin.keep_every) == (50, 4, 1000)
+    assert plugin.async_staging is False and plugin.health is True and plugin.when_busy == "skip"
+    config = plugin.checkpoint_config()
+    assert (config.local_root, config.durable_url, config.keep_last, config.async_staging) == (
+        "/fast/ckpt",
+        "s3://bucket/run",
+        4,
+        False,
+    )
+    assert "endpoint_url" not in repr(plugin), "storage options may hold credentials"
+
+
+def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("ACCELERATE_RESILIENCE_KEEP_LAST", "7")
+    plugin = ResiliencePlugin(local_dir="ckpt", keep_last=2)
+    assert plugin.keep_last == 2 and plugin.from_env == {}
+    assert (plugin.durable_url, plugin.every_n_steps, plugin.async_staging, plugin.health, plugin.when_busy) == (
+        None,
+        None,
+        True,
+        False,
+        "wait",
+    )
+    assert plugin.storage_options == {} and plugin.storage_options is not ResiliencePlugin().storage_options
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "expected"),
+    [
+        ("KEEP_LAST", "three", "ACCELERATE_RESILIENCE_KEEP_LAST='three' is not a whole number"),
+        ("ASYNC_STAGING", "maybe", "ACCELERATE_RESILIENCE_ASYNC_STAGING='maybe' is not a boolean: use true/false"),
+        ("STORAGE_OPTIONS", "{endpoint: x}", "ACCELERATE_RESILIENCE_STORAGE_OPTIONS is not valid JSON"),
+        ("STORAGE_OPTIONS", '["a"]', "must be a JSON object of fsspec options, not a list"),
+        ("KEEP_LAST", "1", "use keep_last >= 2 (set by ACCELERATE_RESILIENCE_KEEP_LAST)"),
+        (
+            "WHEN_BUSY",
+            "later",
+            "when_busy='later' is not one of 'wait', 'skip' (set by ACCELERATE_RESILIENCE_WHEN_BUSY)",
+        ),
+        ("EVERY_N_STEPS", "0", "save only when save() is called (set by ACCELERATE_RESILIENCE_EVERY_N_STEPS)"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(
+    clean_env: pytest.MonkeyPatch, variable: str, value: str, expected: str
+) -> None:
+    clean_env.setenv(f"ACCELERATE_RESILIENCE_{variable}", value)
+    with pytest.raises(ConfigError) as raised:
+        ResiliencePlugin(local_dir="ckpt")
+    assert expected in str(raised.value)
+
+
+def test_bad_arguments_are_rejected_when_made() -> None:
+    with pytest.raises(ConfigError, match=r"verify='quick' is not one of 'size', 'full'$"):
+        ResiliencePlugin(local_dir="ckpt", verify="quick")
+    with pytest.raises(ConfigError, match="storage_options must be a dict"):
+        ResiliencePlugin(local_dir="ckpt", storage_options="endpoint=x")  # type: ignore[arg-type]
+
+
+def test_missing_local_dir_says_how_to_give_one() -> None:
+    plugin = ResiliencePlugin()
+    with pytest.raises(ConfigError, match="set ACCELERATE_RESILIENCE_LOCAL_DIR, or give the Accelerator a Project"):
+        plugin.checkpoint_config()
+    assert plugin.checkpoint_config(local_dir="/proj/resilience", keep_last=5).keep_last == 5
