@@ -5,7 +5,16 @@ Importing this package registers the ``"resilient_ddp"`` strategy name.
 
 from lightning_resilience.auto_resume import AutoResume
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+from lightning_resilience.goodput import GoodputMonitor
 from lightning_resilience.health import HealthGuardCallback
+from lightning_resilience.interval import PeriodicCheckpoint
 from lightning_resilience.strategy import ResilientDDPStrategy
 
-__all__ = ["AutoResume", "HealthGuardCallback", "ResilientCheckpointIO", "ResilientDDPStrategy"]
+__all__ = [
+    "AutoResume",
+    "GoodputMonitor",
+    "HealthGuardCallback",
+    "PeriodicCheckpoint",
+    "ResilientCheckpointIO",
+    "ResilientDDPStrategy",
+]

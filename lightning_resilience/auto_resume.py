@@ -7,12 +7,13 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO, live_checkpoint_ios
 from lightning_resilience.pointer import write_pointer
 from resilience import catalog
-from resilience.rng import capture_rng, restore_rng
+from resilience.rng import restore_rng
 from resilience.storage import Tier
 
 # With this callback, fit(ckpt_path=None) resolving to the newest checkpoint is the point, and a first launch
@@ -80,27 +81,56 @@ class AutoResume(OnExceptionCheckpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint):
-                for path in [*callback.best_k_models, callback.last_model_path, callback.best_model_path]:
-                    if path:
-                        self.io.remember_alias(path)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath and os.path.isdir(callback.dirpath):
+                for name in os.listdir(callback.dirpath):  # every name it still has protects its checkpoint
+                    if name.endswith(ModelCheckpoint.FILE_EXTENSION):
+                        self.io.remember_alias(os.path.join(callback.dirpath, name))
+        _warn_if_order_is_not_resumable(trainer)
         pending = self.io.pending_rng
         if pending is not None and pending.at_epoch_start:
-            self._apply(pending.state)
-        elif pending is not None and pending.epoch_start_state is not None:
-            restore_rng(pending.epoch_start_state)  # the resumed epoch's iterator draws what the saved one drew
-        self.io.epoch_start_rng = capture_rng()
+            # What the saved run did after its epoch's last step (validation, epoch-end hooks) comes next here
+            # too, so it starts from the same generator state.
+            restore_rng(pending.state)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         pending = self.io.pending_rng
-        if pending is not None:
-            self._apply(pending.state)
-
-    def _apply(self, state: dict[str, Any]) -> None:
-        restore_rng(state)
+        if pending is None:
+            return
         self.io.pending_rng = None
+        if not pending.at_epoch_start:
+            restore_rng(pending.state)
+            return
+        # After validation, the saved run built each training loader's next-epoch iterator, and each drew a
+        # seed from the global generator; the resumed run built its iterators before on_train_start.
+        for loader in _loaders(trainer.train_dataloader):
+            if getattr(loader, "generator", None) is None:
+                torch.empty((), dtype=torch.int64).random_()
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def _warn_if_order_is_not_resumable(trainer: pl.Trainer) -> None:
+    """Say so when a mid-epoch resume cannot replay the data order, rather than letting it differ silently.
+
+    Under DDP Lightning wraps the loader's sampler in its ``DistributedSamplerWrapper``; the wrapped shuffling
+    sampler's generator is then not part of the ``StatefulDataLoader``'s state.
+    """
+    loader = trainer.train_dataloader
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if trainer.world_size > 1 and type(sampler).__name__ == "DistributedSamplerWrapper" and trainer.is_global_zero:
+        warnings.warn(
+            "AutoResume: the training data order cannot be resumed exactly mid-epoch under DDP with Lightning's "
+            "distributed sampler wrapper. For exact resume, build the loader with torchdata's "
+            "StatefulDistributedSampler and set Trainer(use_distributed_sampler=False) (see docs/LIGHTNING.md)",
+            stacklevel=2,
+        )
+
+
+def _loaders(train_dataloader: Any) -> list[Any]:
+    """The data loaders in whatever collection the module returned from ``train_dataloader``."""
+    if isinstance(train_dataloader, dict):
+        return [loader for value in train_dataloader.values() for loader in _loaders(value)]
+    if isinstance(train_dataloader, (list, tuple)):
+        return [loader for value in train_dataloader for loader in _loaders(value)]
+    return [] if train_dataloader is None else [train_dataloader]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -49,6 +50,7 @@ class ResilientCheckpointIO(CheckpointIO):
         upload_retries: Retries per file (exponential backoff) before the upload fails.
         on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` keeps training on the local tier.
         allow_pickle: Allow loading values that had to be pickled (e.g. custom objects in ``hyper_parameters``).
+        local_shared: Whether ``local_root`` is one file system all nodes see (default: only on a single host).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class ResilientCheckpointIO(CheckpointIO):
         upload_retries: int = 5,
         on_upload_error: OnUploadError = "raise",
         allow_pickle: bool = False,
+        local_shared: bool | None = None,
     ) -> None:
         self.config = CheckpointConfig(
             local_root=os.path.abspath(local_root),
@@ -81,13 +84,15 @@ class ResilientCheckpointIO(CheckpointIO):
             upload_retries=upload_retries,
             on_upload_error=on_upload_error,
             allow_pickle=allow_pickle,
+            local_shared=local_shared,
         )
         self._manager: CheckpointManager | None = None
         self._aliases: dict[str, int] = {}
         self._aliases_lock = threading.Lock()
         self.collective = False  # set by ResilientDDPStrategy, which calls save on every rank
         self.pending_rng: PendingRNG | None = None
-        self.epoch_start_rng: dict[str, Any] | None = None  # kept up to date by AutoResume
+        self.stall_s = 0.0  # training-thread time spent in saves so far (for goodput accounting)
+        self.last_restore: tuple[int, float] | None = None  # (step, seconds) of the last load
         self.listeners: list[Any] = []
         _LIVE.add(self)
 
@@ -127,16 +132,18 @@ class ResilientCheckpointIO(CheckpointIO):
                 "ResilientCheckpointIO was called on one rank only: with several processes use "
                 "strategy='resilient_ddp' (or ResilientDDPStrategy), which lets every rank write its part"
             )
+        start = time.perf_counter()
         step = int(checkpoint.get("global_step", 0))
         manager = self.manager
         if not manager.has_step(step):  # a second name for a step already saved only gets a pointer
-            shared, rank_state = split_checkpoint(checkpoint, self.epoch_start_rng)
+            shared, rank_state = split_checkpoint(checkpoint)
             extra = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
             manager.save(step, shared, rank_state, extra=extra)
         with self._aliases_lock:
             self._aliases[os.fspath(path)] = step
         if manager.rank == 0:
             write_pointer(path, self.pointer("step", step))
+        self.stall_s += time.perf_counter() - start
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -150,6 +157,7 @@ class ResilientCheckpointIO(CheckpointIO):
             step = int(match.group(1))
         else:  # a plain Lightning checkpoint, e.g. to start fine-tuning from
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        start = time.perf_counter()
         restored = self.manager.load(step=step)
         if restored is None:
             raise NoCheckpointError(
@@ -161,9 +169,8 @@ class ResilientCheckpointIO(CheckpointIO):
         if restored.rank_state is not None:
             rng = restored.rank_state["rng"]
             restore_rng(rng)  # AutoResume re-applies it at the exact point the saved run had reached
-            self.pending_rng = PendingRNG(
-                rng, saved_at_epoch_end(restored.state), restored.rank_state.get("epoch_start_rng")
-            )
+            self.pending_rng = PendingRNG(rng, saved_at_epoch_end(restored.state))
+        self.last_restore = (restored.step, time.perf_counter() - start)
         log.info("restored step %s from the %s tier (%s)", restored.step, restored.tier, restored.path)
         return merge_checkpoint(restored.state, restored.rank_state)
 

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
-from resilience.health import Action, EmergencySave, FaultEvent, HealthConfig, HealthGuard
+from resilience.health import Action, Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class HealthGuardCallback(Callback):
         )
         self.guard: HealthGuard | None = None
         self.last_emergency: EmergencySave | None = None
+        self.last_decision: Decision | None = None
         self._events: list[FaultEvent] = []
         self._paused: AbstractContextManager[None] | None = None
 
@@ -93,14 +94,16 @@ class HealthGuardCallback(Callback):
         decision = self.guard.on_step(step)
         self._log_events(trainer)
         if decision.action is Action.WARN and decision.save:
-            trainer.save_checkpoint(self._path(trainer, "degraded", step))
+            trainer.save_checkpoint(self._path(trainer, "degraded", step), weights_only=False)
         if not decision.stop:
             return
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, ResilientCheckpointIO):
             raise TypeError("HealthGuardCallback saves through ResilientCheckpointIO: add it to the Trainer's plugins")
         path = self._path(trainer, "emergency", step)
-        self.last_emergency = self.guard.emergency_save(io.manager, step, save=lambda: trainer.save_checkpoint(path))
+        self.last_emergency = self.guard.emergency_save(
+            io.manager, step, save=lambda: trainer.save_checkpoint(path, weights_only=False)
+        )
         if trainer.logger is not None and trainer.is_global_zero:
             result = self.last_emergency
             metrics = {"health/emergency_local_committed": float(result.local_committed)}

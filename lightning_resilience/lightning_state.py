@@ -14,15 +14,8 @@ from resilience.rng import capture_rng
 _LOADER_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 
-def split_checkpoint(
-    checkpoint: dict[str, Any], epoch_start_rng: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared state, this rank's state); the caller's dict is not modified.
-
-    ``epoch_start_rng`` is the RNG state as the current epoch's data loader iterator was created; samplers
-    that draw their shuffle seed from the global generator then (as Lightning's distributed sampler wrapper
-    does) need it to replay the same order on resume.
-    """
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(shared state, this rank's state); the caller's dict is not modified."""
     shared = dict(checkpoint)
     loaders = None
     node: dict[str, Any] = shared
@@ -35,7 +28,7 @@ def split_checkpoint(
         node = child
     else:
         loaders = node.pop(_LOADER_PATH[-1], None)
-    rank_state = {"rng": capture_rng(), "epoch_start_rng": epoch_start_rng, "combined_loader": loaders}
+    rank_state = {"rng": capture_rng(), "combined_loader": loaders}
     return shared, rank_state
 
 
@@ -43,11 +36,36 @@ def merge_checkpoint(shared: dict[str, Any], rank_state: dict[str, Any] | None) 
     """Put this rank's loader states back where Lightning looks for them."""
     if not rank_state or rank_state.get("combined_loader") is None:
         return shared
+    loaders = rank_state["combined_loader"]
+    if saved_at_epoch_end(shared):
+        loaders = [_finished(state) for state in loaders]
     node = shared
     for key in _LOADER_PATH[:-1]:
         node = node.setdefault(key, {})
-    node[_LOADER_PATH[-1]] = rank_state["combined_loader"]
+    node[_LOADER_PATH[-1]] = loaders
     return shared
+
+
+def _finished(state: Any) -> Any:
+    """A StatefulDataLoader state taken after an epoch's last batch, marked as the end of that epoch.
+
+    Lightning never asks a sized loader for one batch too many, so the saved iterator does not know it is
+    exhausted: restored as is, it yields an empty epoch first (shifting epoch numbers and per-epoch
+    schedules), and a ``StatefulDistributedSampler`` carries its position into the next epoch. Marked as
+    finished, the loader starts the next epoch afresh, keeping the sampler's generator state.
+    """
+    if not isinstance(state, dict) or "_iterator_finished" not in state:
+        return state
+
+    def rewind(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {
+                k: 0 if k in ("yielded", "samples_yielded") and isinstance(v, int) else rewind(v)
+                for k, v in node.items()
+            }
+        return node
+
+    return {**rewind(state), "_iterator_finished": True}
 
 
 def saved_at_epoch_end(checkpoint: dict[str, Any]) -> bool:

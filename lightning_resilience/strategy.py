@@ -36,7 +36,7 @@ class ResilientDDPStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
 
     @property  # type: ignore[override]
-    def checkpoint_io(self) -> ResilientCheckpointIO:  # type: ignore[override]
+    def checkpoint_io(self) -> ResilientCheckpointIO:
         io = self._checkpoint_io
         if io is None:
             io = self._checkpoint_io = ResilientCheckpointIO()

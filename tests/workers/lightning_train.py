@@ -1,7 +1,7 @@
-"""A small Lightning training run used by the tests: shuffled StatefulDataLoader, dropout, Adam, LR schedule.
+"""The demo model (examples/demo_model.py) trained by a plain Trainer, for the tests.
 
 Launched as a script (Lightning starts the other DDP rank by re-running it). ``--kill-at K`` makes the run
-SIGKILL itself after step K once the newest checkpoint is committed; relaunching the same command resumes.
+SIGKILL itself after step K once the checkpoints saved so far are committed; relaunching resumes.
 """
 
 from __future__ import annotations
@@ -10,55 +10,14 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
-
-
-class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    def __init__(self, n: int = 48) -> None:
-        gen = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(n, 16, generator=gen)
-        self.y = torch.randn(n, 1, generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
-class Net(pl.LightningModule):
-    def __init__(self, loader: str) -> None:
-        super().__init__()
-        self.loader = loader
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
-        )
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)}
-
-    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
-        if self.loader == "plain":
-            return DataLoader(Points(), batch_size=4, shuffle=True)
-        if self.trainer.world_size > 1:  # a sampler whose position is part of the loader's state
-            sampler = StatefulDistributedSampler(Points(), shuffle=True, seed=0)
-            return StatefulDataLoader(Points(), batch_size=4, sampler=sampler)
-        return StatefulDataLoader(Points(), batch_size=4, shuffle=True)
 
 
 class KillAfter(pl.Callback):
@@ -75,16 +34,33 @@ class KillAfter(pl.Callback):
 
 
 class Sleep(pl.Callback):
+    """Slow steps down, so that a test has time to send a signal mid-run."""
+
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
     def on_train_batch_end(self, *args: object) -> None:
-        import time
-
         time.sleep(self.seconds)
 
 
+def slow_down_writes(seconds: float) -> None:
+    """Test hook: each background write first leaves a marker and waits, so a signal can land mid-save."""
+    from resilience.pipeline import Pipeline
+
+    original = Pipeline._write
+
+    def slow(self: Pipeline, job: object) -> None:
+        marker = os.path.join(self.local.root, f"writing-{job.step}")  # type: ignore[attr-defined]
+        open(marker, "w").close()
+        time.sleep(seconds)
+        original(self, job)  # type: ignore[arg-type]
+
+    Pipeline._write = slow  # type: ignore[method-assign]
+
+
 def main() -> None:
+    if os.environ.get("TEST_SLOW_WRITE_S"):
+        slow_down_writes(float(os.environ["TEST_SLOW_WRITE_S"]))
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--durable")
@@ -92,11 +68,13 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--kill-at", type=int)
     p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--loader", default="stateful")
-    p.add_argument("--out")
+    p.add_argument("--loader", default="stateful", choices=["stateful", "lightning", "plain"])
+    p.add_argument("--out", help="write the final parameters here (rank 0)")
+    p.add_argument("--ckpt-path", help="pass this ckpt_path to fit()")
     p.add_argument("--async-staging", action="store_true")
     p.add_argument("--health", action="store_true", help="add HealthGuardCallback (faults via RESILIENCE_INJECT)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a signal")
+    p.add_argument("--no-auto-resume", action="store_true")
     args = p.parse_args()
 
     pl.seed_everything(7, workers=True)
@@ -107,13 +85,14 @@ def main() -> None:
         async_staging=args.async_staging,
     )
     callbacks: list[pl.Callback] = [
-        ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1),
-        AutoResume(),
+        ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1)
     ]
+    if not args.no_auto_resume:
+        callbacks.append(AutoResume())
     if args.kill_at is not None:
         callbacks.append(KillAfter(args.kill_at, io))
     if args.health:
-        callbacks.append(HealthGuardCallback(grace_s=60, nvml=True))
+        callbacks.append(HealthGuardCallback(grace_s=60))
     if args.step_sleep:
         callbacks.append(Sleep(args.step_sleep))
     trainer = pl.Trainer(
@@ -124,16 +103,17 @@ def main() -> None:
         max_steps=args.max_steps,
         callbacks=callbacks,
         logger=pl.loggers.CSVLogger(args.root, name="logs", version=0),
+        log_every_n_steps=1,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args.root,
         deterministic=True,
-        use_distributed_sampler=args.loader == "plain",
+        use_distributed_sampler=args.loader != "stateful",
     )
-    trainer.fit(Net(args.loader))
+    trainer.fit(DemoModel(), DemoData(loader=args.loader), ckpt_path=args.ckpt_path)
     if args.out and trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}, args.out)
-    print("FINISHED", trainer.global_step, trainer.current_epoch)
+    print("FINISHED", trainer.global_step, trainer.current_epoch, flush=True)
 
 
 if __name__ == "__main__":

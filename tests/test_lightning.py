@@ -1,0 +1,245 @@
+"""The Lightning adapter through real Trainer runs as subprocesses: kill -9 and relaunch, bit-exact resume,
+2-rank DDP with every rank writing, corrupt checkpoints skipped, SIGTERM and injected GPU faults, torchrun
+restarts, and LightningCLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience.cli import main as resilience_cli
+from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
+
+WORKER = WORKERS / "lightning_train.py"
+
+
+def train(
+    root: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Run the worker to completion (or its own death) and return what happened."""
+    command = [sys.executable, str(WORKER), "--root", str(root), *args]
+    return subprocess.run(
+        command, env=base_env(env), cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    left, right = params(a), params(b)
+    assert left.keys() == right.keys()
+    for key in left:
+        assert torch.equal(left[key], right[key]), f"{key} differs from the uninterrupted run"
+
+
+def steps(root: Path) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (root / "ckpt").glob("step-*") if (p / "manifest.json").exists())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Final parameters of an uninterrupted single-process run of 20 steps (2 epochs of 12 batches)."""
+    root = tmp_path_factory.mktemp("reference")
+    done = train(root, "--out", str(root / "final.pt"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "final.pt"
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ddp-reference")
+    done = train(root, "--devices", "2", "--out", str(root / "final.pt"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root / "final.pt"
+
+
+@pytest.mark.parametrize(("kill_at", "resumes_at"), [(10, 8), (13, 12)])
+def test_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: Path, kill_at: int, resumes_at: int) -> None:
+    """Mid-epoch (step 8 of 12 per epoch) and at an epoch end (step 12): same parameters as never stopping."""
+    killed = train(tmp_path, "--kill-at", str(kill_at))
+    assert killed.returncode == -signal.SIGKILL
+    assert max(steps(tmp_path)) == resumes_at
+    resumed = train(tmp_path, "--out", str(tmp_path / "final.pt"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "Restored all states" in resumed.stdout + resumed.stderr
+    assert "FINISHED 20 2" in resumed.stdout
+    assert_same_params(reference, tmp_path / "final.pt")
+    # the resumed run logs the steps it did, numbered where it resumed, not from 0 again
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as handle:
+        logged = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train_loss")]
+    assert logged == list(range(resumes_at, 20))
+
+
+def test_first_launch_starts_fresh_quietly(tmp_path: Path) -> None:
+    done = train(tmp_path, "--max-steps", "4")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Restoring states" not in output
+    assert "no last checkpoint" not in output and "was called without a model" not in output
+
+
+def test_ckpt_path_last_and_skipping_a_corrupt_newest_checkpoint(tmp_path: Path, reference: Path) -> None:
+    train(tmp_path, "--kill-at", "10")
+    assert steps(tmp_path) == [4, 8]
+    shard = next((tmp_path / "ckpt" / "step-8").glob("__*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # a partial write
+    resumed = train(tmp_path, "--ckpt-path", "last", "--out", str(tmp_path / "final.pt"))
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert "Skipping step 8" in output and "trying step 4" in output
+    assert_same_params(reference, tmp_path / "final.pt")  # resumed from step 4 and redid 5..20 exactly
+
+
+def test_ddp_ranks_write_in_parallel_and_an_injected_xid_stops_both_for_a_bit_exact_resume(
+    tmp_path: Path, ddp_reference: Path
+) -> None:
+    drill = {"RESILIENCE_INJECT": "xid=79@step=6,rank=1"}
+    stopped = train(tmp_path, "--devices", "2", "--health", env=drill)
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 69, output
+    assert output.count("all ranks save step 6 and stop (exit code 69)") == 2
+    assert 6 in steps(tmp_path)
+    manifest = json.loads((tmp_path / "ckpt" / "step-6" / "manifest.json").read_text())
+    by_rank: dict[int, int] = {}
+    for entry in manifest["files"]:
+        by_rank[entry["rank"]] = by_rank.get(entry["rank"], 0) + entry["size"]
+    assert manifest["world_size"] == 2 and set(by_rank) == {0, 1} and all(by_rank.values())
+    resumed = train(tmp_path, "--devices", "2", "--health", "--out", str(tmp_path / "final.pt"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_params(ddp_reference, tmp_path / "final.pt")
+
+
+def wait_for(predicate, timeout: float, proc: subprocess.Popen[str]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached (exit {proc.poll()}):\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("slow_write", [False, True])
+def test_sigterm_commits_an_emergency_checkpoint_before_exit(tmp_path: Path, reference: Path, slow_write: bool) -> None:
+    """SIGTERM to a real training process; with ``slow_write`` it lands while an async save is being written."""
+    env = {"TEST_SLOW_WRITE_S": "1.5"} if slow_write else {}
+    args = ["--health", "--step-sleep", "0.2", *(["--async-staging"] if slow_write else [])]
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "--root", str(tmp_path), *args],
+        env=base_env(env),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        marker = tmp_path / "ckpt" / "writing-8" if slow_write else tmp_path / "ckpt" / "step-4" / "manifest.json"
+        wait_for(marker.exists, 120, proc)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, output
+    assert "emergency save of step" in output and "committed locally" in output
+    saved = steps(tmp_path)
+    assert max(saved) > (8 if slow_write else 4), saved
+    assert resilience_cli(["verify", str(tmp_path / "ckpt")]) == 0  # nothing half-written was committed
+    resumed = train(tmp_path, "--health", "--out", str(tmp_path / "final.pt"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_params(reference, tmp_path / "final.pt")
+
+
+def test_torchrun_restart_cycle_after_an_injected_fault(tmp_path: Path, ddp_reference: Path) -> None:
+    """One launch: the fault stops both ranks (exit 69), torchrun restarts them, they resume and finish."""
+    env = base_env({"RESILIENCE_INJECT": "xid=79@step=6,rank=0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(WORKER),
+        "--root",
+        str(tmp_path),
+        "--devices",
+        "2",
+        "--health",
+        "--out",
+        str(tmp_path / "final.pt"),
+    ]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "exit code 69" in output and "Restored all states" in output and "FINISHED 20" in output
+    assert_same_params(ddp_reference, tmp_path / "final.pt")
+
+
+def test_lightning_cli_fit_stop_fit_again_resumes(tmp_path: Path) -> None:
+    """The example config, as a user runs it: a fault drill stops the run, the same command resumes it."""
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "lightning_cli.yaml"),
+        "--trainer.max_steps",
+        "30",
+    ]
+    first = subprocess.run(
+        command,
+        cwd=tmp_path,
+        env=base_env({"RESILIENCE_INJECT": "xid=79@step=12,rank=1"}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert first.returncode == 69, first.stdout + first.stderr
+    run = tmp_path / "runs" / "lightning-cli"
+    assert (run / "checkpoints" / "step-12" / "manifest.json").exists()
+    second = subprocess.run(
+        command, cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output
+    assert "Restored all states" in output and "max_steps=30` reached" in output
+    listing = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "ls", f"file://{run}/durable", "--json"],
+        cwd=ROOT,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    durable = {row["step"]: row for row in json.loads(listing.stdout) if row["committed"]}
+    assert 20 in durable and durable[20]["world_size"] == 2, durable  # ModelCheckpoint's step-20 save, uploaded
+    assert (run / "goodput").is_dir()
+    report = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "report", str(run), "--json"],
+        cwd=ROOT,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    summary = json.loads(report.stdout)
+    assert summary["failures"] == 1 and len(summary["incarnations"]) == 2
