@@ -33,7 +33,7 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
     options = _storage_options(args.storage_option)
     tiers = []
     for root in args.roots:
-        tier = Tier("local" if "://" not in root or root.startswith("file://") else "durable", root, options)
+        tier = Tier("local" if "://" not in root else "durable", root, options)
         tier.check_readable()
         tiers.append(tier)
     return tiers
