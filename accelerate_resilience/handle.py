@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from accelerate import Accelerator
@@ -23,7 +25,8 @@ from accelerate.utils import DistributedType
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_resilience.plugin import ResiliencePlugin
+from accelerate_resilience.goodput import AutoInterval, LoaderMonitor
+from accelerate_resilience.plugin import AUTO, ResiliencePlugin
 from accelerate_resilience.position import DataTracker, Position, load_loader_states, loader_states, trackable
 from accelerate_resilience.snapshot import (
     load_object_states,
@@ -33,15 +36,19 @@ from accelerate_resilience.snapshot import (
 )
 from accelerate_resilience.telemetry import TrackerBridge
 from resilience.errors import CheckpointError, ConfigError
+from resilience.goodput import DataWindow, GoodputLedger, IntervalPlan, TimedIterator
+from resilience.goodput.ledger import COMPLETED
 from resilience.health import Decision, HealthConfig, HealthGuard
 from resilience.manager import CheckpointManager
-from resilience.pipeline import Listener, SaveHandle
+from resilience.pipeline import SaveHandle
 from resilience.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _ROUTED = ("save_state", "load_state", "skip_first_batches", "end_training")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+_process_accounted = False  # whether a ledger of this process already counted the process's start-up
 
 
 @dataclass(frozen=True)
@@ -71,7 +78,13 @@ class ResilienceHandle:
 
     Made by :func:`attach`; construction is collective (every rank). Attributes: ``manager`` (the engine's
     :class:`~resilience.CheckpointManager`), ``global_step`` (optimizer steps counted by a hook on the first
-    prepared optimizer; steps a GradScaler skips are not counted).
+    prepared optimizer; steps a GradScaler skips are not counted), ``ledger`` (the run's
+    :class:`~resilience.goodput.GoodputLedger`; written by the main process when ``plugin.goodput``),
+    ``run_dir`` (where it lives), ``data_monitor`` (the :meth:`timed` loaders' monitor, once there is one).
+
+    Every optimizer step ends at the next batch the training loader hands out: the ledger counts the step
+    there, and the time saves blocked (including the wait for an asynchronous copy before the next optimizer
+    step) as checkpoint stall.
 
     With health monitoring on, every batch the training loader hands out is a step boundary where the ranks
     agree (one all-reduce) on the faults and preemption signals any of them saw; on a stop, every rank saves
@@ -105,15 +118,27 @@ class ResilienceHandle:
         if any(_updates_statistics_in_forward(model) for model in accelerator._models):
             # the background copy must also end before a forward that updates BatchNorm statistics
             config = dataclasses.replace(config, staging_barrier="forward")
-        self._telemetry = TrackerBridge(accelerator)
-        listeners: list[Listener] = [self._telemetry.put] if accelerator.is_main_process else []
-        self.manager = CheckpointManager(config, listeners=listeners)
+        self.run_dir = os.fspath(plugin.run_dir or project.project_dir or config.local_root)
+        self.ledger = GoodputLedger(
+            self.run_dir,
+            accelerator.process_index,
+            span_s=float(plugin.goodput_span_s or 0),
+            process_start=_incarnation_start(),
+            write=bool(plugin.goodput) and accelerator.is_main_process,
+        )
+        self._telemetry = TrackerBridge(accelerator, self.ledger)
+        self.manager = CheckpointManager(config, listeners=self._telemetry.listeners)
+        self._interval = AutoInterval(plugin, accelerator, self.run_dir) if plugin.every_n_steps == AUTO else None
+        self.data_monitor: LoaderMonitor | None = None
         self._guard: HealthGuard | None = None
         self._stop: Decision | None = None
         if health is not None or plugin.health:
             settings = health or HealthConfig(nvml=accelerator.device.type == "cuda")
             self._guard = HealthGuard(settings).start()  # collective; signal handlers need the main thread
         self.global_step = 0
+        self._started = False
+        self._boundary_step = 0
+        self._staging_seen = 0.0
         self._last_saved: int | None = None
         self._pending_rng: dict[str, Any] | None = None
         self._hooks: list[RemovableHandle] = []
@@ -152,6 +177,16 @@ class ResilienceHandle:
         ``when_busy="skip"``.
         """
         self._check_open()
+        start = time.perf_counter()
+        self._end_step(start)  # called after a step's optimizer step: that step is complete
+        staged = self._take_staging_wait()
+        handle = self._save(step)
+        self._take_staging_wait()  # waited for inside the save: part of its time
+        self._blocked(staged + time.perf_counter() - start, saves=int(handle is not None))
+        self.ledger.flush()
+        return handle
+
+    def _save(self, step: int | None = None) -> SaveHandle | None:
         self._refresh()
         self._telemetry.flush(self.global_step)
         step = self.global_step if step is None else int(step)
@@ -181,8 +216,32 @@ class ResilienceHandle:
 
     def wait(self, *, durable: bool = False) -> None:
         """Block until the last save is committed locally (and uploaded, with ``durable``); raise its error."""
+        start = time.perf_counter()
         self.manager.wait(durable=durable)
+        self._blocked(time.perf_counter() - start, saves=0)
         self._telemetry.flush(self.global_step)
+
+    # ---- data -------------------------------------------------------------------------------------------------
+
+    def timed(self, loader: Iterable[T]) -> TimedIterator[T]:
+        """``loader``, timing how long each ``next()`` blocks: the accelerator's wait for data.
+
+        Use it in the training loop (``for batch in resilience.timed(train_dl)``); it keeps the loader's
+        length and attributes, and the handle still tracks the position of the loader inside. Per window of
+        ``plugin.data_window_steps`` steps, logs ``data/wait_fraction``, ``data/samples_per_s``,
+        ``data/step_ms``, ... and the ledger's ``goodput/*`` figures; above ``plugin.starvation_threshold`` it
+        warns with the likely cause (workers, I/O, collate). The waits go to the ledger's data-wait bucket.
+        Only the time spent waiting counts: loading that overlaps the step (workers, prefetching) does not,
+        nor does the handle's own work at the batch boundary (saves, health checks).
+        """
+        if self.data_monitor is None:
+            self.data_monitor = LoaderMonitor(
+                self.plugin, self.accelerator.process_index, self.ledger, self._log_window
+            )
+        # Accelerate's loaders pass attributes through to the DataLoader they wrap, but not assignments: its
+        # collate_fn is timed (in-process) on the DataLoader itself.
+        self.data_monitor.watch(getattr(loader, "base_dataloader", loader))
+        return TimedIterator(loader, self.data_monitor, on_wait=self.data_monitor.fetched)
 
     # ---- resume -----------------------------------------------------------------------------------------------
 
@@ -194,10 +253,12 @@ class ResilienceHandle:
         :class:`ResumePoint` with ``restored=False`` when there is no checkpoint yet.
         """
         self._check_open()
+        start = time.perf_counter()
         self._refresh()
         self.manager.wait_for_staging()  # the load fills the live tensors in place
         restored = self.manager.load({"training": training_state(self.accelerator)}, step=step)
         if restored is None:
+            self._resumed(None, start)
             return ResumePoint()
         where = f"checkpoint step {restored.step} ({restored.path})"
         load_training_state(self.accelerator, restored.state["training"], where)
@@ -229,6 +290,7 @@ class ResilienceHandle:
             else:
                 restore_rng(rank_state["rng"])
         log.info("resumed from %s at epoch %d, batch %d, global step %d", where, epoch, batch, restored.step)
+        self._resumed(restored.step, start)
         return ResumePoint(
             epoch=epoch,
             batch_in_epoch=batch,
@@ -252,14 +314,24 @@ class ResilienceHandle:
     def close(self) -> None:
         """Finish every queued write and upload, log the last events, and give the Accelerator its methods back.
 
-        After an agreed stop (:meth:`should_stop`), exits with the stop's code (``SystemExit``).
+        Ends this incarnation in the goodput ledger as completed. After an agreed stop (:meth:`should_stop`),
+        ends it as stopped instead, and exits with the stop's code (``SystemExit``).
         """
+        self._close(None)
+
+    def _close(self, failure: BaseException | None) -> None:
         if not self._closed:
             self._closed = True
+            start = time.perf_counter()
+            self._end_step(start)  # the last step: no batch after it ended it
             try:
                 self.manager.close()
+            except BaseException as exc:
+                failure = failure or exc
+                raise
             finally:
                 self._release()
+                self._end(time.perf_counter() - start, failure)
         if self._stop is not None and self._guard is not None:
             for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
                 tracker.finish()
@@ -277,11 +349,23 @@ class ResilienceHandle:
         if self._guard is not None and self._stop is None:
             self._guard.close()  # while the default process group still exists (end_training destroys it)
 
+    def _end(self, closing_s: float, failure: BaseException | None) -> None:
+        """Close the ledger; only a normal end is ``completed``, anything else counts as a failure."""
+        closing_s += self._take_staging_wait()
+        if self._stop is not None:
+            self.ledger.emergency(closing_s, "the stop's last writes and uploads")
+            reason = f"stopped, exit code {self._stop.exit_code}: {self._stop.reason}"
+        else:
+            self._blocked(closing_s, saves=0)  # the last saves' writes and uploads
+            reason = COMPLETED if failure is None else f"{type(failure).__name__}: {failure}"
+        self.ledger.end(reason[:200])
+        self._telemetry.close()
+
     def __enter__(self) -> ResilienceHandle:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
+        self._close(exc)
 
     # ---- what the accelerator prepared ------------------------------------------------------------------------
 
@@ -320,27 +404,103 @@ class ResilienceHandle:
 
     def _on_batch(self) -> None:
         """Just before the training loader hands out a batch: the previous step is complete."""
+        start = time.perf_counter()
+        try:
+            self._step_boundary(start)
+        finally:
+            if self.data_monitor is not None:
+                self.data_monitor.hook_ran(time.perf_counter() - start)
+
+    def _step_boundary(self, now: float) -> None:
         if self._pending_rng is not None:
             restore_rng(self._pending_rng)
             self._pending_rng = None
+        if not self._started:
+            self._start_training(now)
+        self._end_step(now)
         self._telemetry.flush(self.global_step)
         if self._guard is not None:
             if self._stop is not None:  # the loop went on after should_stop(): stop it here
                 self.close()
             decision = self._guard.on_step(self.global_step)
             if decision.stop:
-                self._guard.emergency_save(self.manager, self.global_step, save=self.save)
+                start = time.perf_counter()
+                self._guard.emergency_save(self.manager, self.global_step, save=self._save)
+                self._take_staging_wait()  # waited for inside the emergency save: part of its time
+                self.ledger.fault(decision.reason, decision.step)
+                self.ledger.emergency(time.perf_counter() - start, f"emergency save of step {self.global_step}")
                 self._stop = decision
                 return
             if decision.save:
                 self.save()
         every = self.plugin.every_n_steps
-        if every and self.global_step > 0 and self.global_step % every == 0 and self.global_step != self._last_saved:
+        if self._interval is not None:
+            if self._interval.due(self.global_step):
+                if self.global_step != self._last_saved:
+                    self.save()
+                self._plan_interval()
+        elif (
+            isinstance(every, int)
+            and self.global_step > 0
+            and self.global_step % every == 0
+            and self.global_step != self._last_saved
+        ):
             self.save()
+
+    def _start_training(self, now: float) -> None:
+        self._started = True
+        self._boundary_step = self.global_step
+        self.ledger.startup_done()
+        if self._interval is not None:
+            self._interval.start(self.global_step, now)
+
+    def _end_step(self, now: float) -> None:
+        """Count the optimizer step done since the last boundary, if any (not every micro-batch is a step)."""
+        if not self._started or self.global_step == self._boundary_step:
+            return
+        self._boundary_step = self.global_step
+        self._blocked(self._take_staging_wait(), saves=0)  # before the step ends: it waited inside the step
+        self.ledger.step_end(self.global_step)
+        if self._interval is not None:
+            self._interval.step_done(now)
+
+    def _plan_interval(self) -> None:
+        assert self._interval is not None
+        plan = self._interval.replan(self.global_step, time.perf_counter())
+        self._telemetry.log(self._interval.metrics(), self.global_step)
+        if self.accelerator.is_main_process:
+            log.info("every_n_steps='auto': %s", plan.describe())
+
+    def _resumed(self, step: int | None, start: float) -> None:
+        self._take_staging_wait()  # waited for inside the restore: part of its time
+        self.ledger.restored(step, time.perf_counter() - start)
+        if not self._started:
+            self._start_training(time.perf_counter())
+
+    def _take_staging_wait(self) -> float:
+        """Seconds waited for asynchronous copies since the last call (before an optimizer step, in a save)."""
+        total = self.manager.stats.staging_wait_s
+        waited, self._staging_seen = total - self._staging_seen, total
+        return waited
+
+    def _blocked(self, seconds: float, *, saves: int) -> None:
+        """Training waited ``seconds`` for checkpoints: the ledger's stall, and the "auto" interval's cost."""
+        if seconds > 0:
+            self.ledger.checkpoint_stall(seconds, self.global_step)
+        if self._interval is not None:
+            self._interval.blocked(seconds, saves)
+
+    def _log_window(self, window: DataWindow) -> None:
+        self._telemetry.log({**window.metrics(), **self.ledger.metrics()}, self.global_step)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this ResilienceHandle is closed; attach a new one")
+
+    @property
+    def interval_plan(self) -> IntervalPlan | None:
+        """With ``every_n_steps="auto"``: the current plan (the same on every rank); None before the first save."""
+        return self._interval.plan if self._interval is not None else None
 
     # ---- Accelerator methods routed here ----------------------------------------------------------------------
 
@@ -377,6 +537,9 @@ class ResilienceHandle:
         return self._originals["load_state"](input_dir, load_kwargs=load_kwargs, **kwargs)
 
     def _routed_skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, TimedIterator):  # skip in the loader it times, and time the result
+            inner = self._routed_skip_first_batches(dataloader.iterable, num_batches)
+            return dataloader if inner is dataloader.iterable else self.timed(inner)
         tracker = self._tracker
         if tracker is None or dataloader is not tracker.loader:
             return self._originals["skip_first_batches"](dataloader, num_batches)
@@ -390,6 +553,13 @@ class ResilienceHandle:
         original = self._originals["end_training"]
         self.close()  # before the process group goes: the last saves still need it (exits after a stop)
         original()
+
+
+def _incarnation_start() -> float | None:
+    """The first ledger of a process starts at the process's start (imports count as startup); later ones now."""
+    global _process_accounted
+    first, _process_accounted = not _process_accounted, True
+    return None if first else time.time()
 
 
 def _updates_statistics_in_forward(model: torch.nn.Module) -> bool:

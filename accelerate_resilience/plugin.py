@@ -14,13 +14,14 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from resilience.config import CheckpointConfig
 from resilience.errors import ConfigError
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
 DEFAULT_KEEP_LAST = 3
+AUTO = "auto"
 
 
 def env_name(field_name: str) -> str:
@@ -36,6 +37,17 @@ def _integer(name: str, raw: str) -> int:
         return int(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a whole number: set it to one, e.g. {name}=3") from None
+
+
+def _number(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number: set it to one, e.g. {name}=0.5") from None
+
+
+def _steps(name: str, raw: str) -> int | str:
+    return AUTO if raw.strip().lower() == AUTO else _integer(name, raw)
 
 
 def _boolean(name: str, raw: str) -> bool:
@@ -80,7 +92,14 @@ class ResiliencePlugin:
         storage_options: fsspec options for ``durable_url`` (endpoint, profile, ...); as JSON in the variable.
             Never logged.
         every_n_steps: Save automatically every N optimizer steps (when the next batch is drawn, so the step,
-            its scheduler step and the data position are complete). Default: only when you call ``save()``.
+            its scheduler step and the data position are complete), or ``"auto"``: about ``sqrt(2 * C * MTBF)``
+            seconds apart (Young/Daly), where ``C`` is the measured time a save blocks training, turned into
+            steps with the measured step time; the first save comes 5 steps in, to measure ``C``. Default: only
+            when you call ``save()``.
+        mtbf_hours: With ``"auto"``: the job's mean time between failures, if known. Default: observed from the
+            run's restarts in its goodput ledger, else a prior of 5.8 GPU-years per GPU.
+        min_interval_s: With ``"auto"``: the shortest interval it may choose. Default: 60.
+        max_interval_s: With ``"auto"``: the longest interval it may choose. Default: 21600 (6 hours).
         keep_last: Newest checkpoints kept per tier (at least 2). Default: the ``ProjectConfiguration``'s
             ``total_limit`` (raised to 2), else 3.
         keep_every: Also keep every checkpoint whose step is a multiple of this. Default: none.
@@ -96,12 +115,23 @@ class ResiliencePlugin:
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
             fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
             Default: false.
+        goodput: Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went,
+            across restarts. Only the main process writes it. Default: true.
+        run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several
+            nodes be on a shared file system. Default: the ``ProjectConfiguration``'s ``project_dir``, else
+            ``local_dir`` itself (its parent may hold other runs).
+        goodput_span_s: How often the ledger writes what it has summed up: a ``kill -9`` loses at most this
+            much of the account (it then shows as downtime). Default: 10.
+        data_window_steps: Steps per window of the data-wait figures of :meth:`ResilienceHandle.timed`
+            (one metrics row and at most one starvation warning each). Default: 50.
+        starvation_threshold: Fraction of step time spent waiting for data above which the accelerator is
+            starving (a warning names the likely cause). Default: 0.05.
     """
 
     local_dir: str | None = field(default=None, metadata=_env(None, _text))
     durable_url: str | None = field(default=None, metadata=_env(None, _text))
     storage_options: dict[str, Any] | None = field(default=None, repr=False, metadata=_env({}, _json_object))
-    every_n_steps: int | None = field(default=None, metadata=_env(None, _integer))
+    every_n_steps: int | Literal["auto"] | None = field(default=None, metadata=_env(None, _steps))
     keep_last: int | None = field(default=None, metadata=_env(None, _integer))
     keep_every: int | None = field(default=None, metadata=_env(None, _integer))
     async_staging: bool | None = field(default=None, metadata=_env(True, _boolean))
@@ -110,6 +140,14 @@ class ResiliencePlugin:
     verify: str | None = field(default=None, metadata=_env("size", _text))
     allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
     health: bool | None = field(default=None, metadata=_env(False, _boolean))
+    mtbf_hours: float | None = field(default=None, metadata=_env(None, _number))
+    min_interval_s: float | None = field(default=None, metadata=_env(60.0, _number))
+    max_interval_s: float | None = field(default=None, metadata=_env(6 * 3600.0, _number))
+    goodput: bool | None = field(default=None, metadata=_env(True, _boolean))
+    run_dir: str | None = field(default=None, metadata=_env(None, _text))
+    goodput_span_s: float | None = field(default=None, metadata=_env(10.0, _number))
+    data_window_steps: int | None = field(default=None, metadata=_env(50, _integer))
+    starvation_threshold: float | None = field(default=None, metadata=_env(0.05, _number))
     from_env: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,13 +163,7 @@ class ResiliencePlugin:
                 setattr(self, item.name, copy.deepcopy(item.metadata["default"]))
         if not isinstance(self.storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, not {type(self.storage_options)}")
-        if self.every_n_steps is not None and self.every_n_steps < 1:
-            raise ConfigError(
-                self._blame(
-                    f"every_n_steps={self.every_n_steps}: use a positive number of optimizer steps, or leave it "
-                    "unset to save only when save() is called"
-                )
-            )
+        self._check_ranges()
         self.checkpoint_config(local_dir=self.local_dir or ".")  # checks the rest now, not at the first save
 
     def checkpoint_config(self, *, local_dir: str | None = None, keep_last: int | None = None) -> CheckpointConfig:
@@ -157,6 +189,34 @@ class ResiliencePlugin:
             )
         except ConfigError as exc:
             raise ConfigError(self._blame(str(exc))) from None
+
+    def _check_ranges(self) -> None:
+        every, low, high = self.every_n_steps, self.min_interval_s, self.max_interval_s
+        rules = (
+            (
+                "every_n_steps",
+                every is None or every == AUTO or (isinstance(every, int) and every >= 1),
+                "use a positive number of optimizer steps or 'auto', or leave it unset to save only when save() "
+                "is called",
+            ),
+            ("mtbf_hours", self.mtbf_hours is None or self.mtbf_hours > 0, "use a positive number of hours"),
+            ("min_interval_s", low is not None and low > 0, "use a positive number of seconds"),
+            (
+                "max_interval_s",
+                high is not None and low is not None and high >= low,
+                f"use at least min_interval_s ({low})",
+            ),
+            ("goodput_span_s", self.goodput_span_s is not None and self.goodput_span_s >= 0, "use 0 or more seconds"),
+            ("data_window_steps", self.data_window_steps is not None and self.data_window_steps >= 1, "use 1 or more"),
+            (
+                "starvation_threshold",
+                self.starvation_threshold is not None and 0 < self.starvation_threshold < 1,
+                "use a fraction of step time between 0 and 1, e.g. 0.05",
+            ),
+        )
+        for name, valid, fix in rules:
+            if not valid:
+                raise ConfigError(self._blame(f"{name}={getattr(self, name)!r}: {fix}"))
 
     def _blame(self, message: str) -> str:
         """Name the environment variable behind a bad value: the fix is there, not in the script."""

@@ -1,47 +1,43 @@
-"""Checkpoint events into the user's Accelerate trackers (TensorBoard, W&B, any ``GeneralTracker``).
+"""The handle's figures into the user's Accelerate trackers (TensorBoard, W&B, any ``GeneralTracker``).
 
-The engine reports from its writer and uploader threads; tracker clients are not thread-safe and
-``accelerator.log`` belongs to the training loop, so events wait in a queue until the training thread flushes
-them (at every batch and save). They are logged at the current training step, not at the checkpoint's step:
-commits arrive a few steps late and trackers such as W&B drop values logged at a step already passed.
+Per-save checkpoint figures come from the engine's :class:`~resilience.goodput.CheckpointTelemetry`, which
+the manager calls from its writer and uploader threads; tracker clients are not thread-safe and
+``accelerator.log`` belongs to the training loop, so they wait in its queue until the training thread flushes
+them (at every batch and save). Everything is logged at the current training step, not at the checkpoint's
+step: commits arrive a few steps late and trackers such as W&B drop values logged at a step already passed.
 """
 
 from __future__ import annotations
 
-import queue
-from typing import Any
-
 from accelerate import Accelerator
 
-PREFIX = "checkpoint"
-_ENVELOPE = ("event", "step", "rank", "time")
-
-
-def metrics(record: dict[str, Any]) -> dict[str, Any]:
-    """``{"event": "local_commit", "step": 8, "write_s": 0.4}`` -> ``{"checkpoint/local_commit/step": 8, ...}``."""
-    event = record["event"]
-    values: dict[str, Any] = {f"{PREFIX}/{event}/step": record["step"]}
-    for name, value in record.items():
-        if name not in _ENVELOPE and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            values[f"{PREFIX}/{event}/{name}"] = value
-    return values
+from resilience.goodput import CheckpointTelemetry, GoodputLedger
+from resilience.pipeline import Listener
 
 
 class TrackerBridge:
-    """Collects engine events from any thread; :meth:`flush` logs them from the training thread."""
+    """Queues checkpoint figures on the main process (the only one whose ``accelerator.log`` logs)."""
 
-    def __init__(self, accelerator: Accelerator):
+    def __init__(self, accelerator: Accelerator, ledger: GoodputLedger):
         self.accelerator = accelerator
-        self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self.checkpoints: CheckpointTelemetry | None = None
+        if accelerator.is_main_process:
+            # NVML would report another GPU (or none) for a CPU run on a GPU machine.
+            self.checkpoints = CheckpointTelemetry(ledger=ledger, sample_gpu=accelerator.device.type == "cuda")
 
-    def put(self, record: dict[str, Any]) -> None:
-        self._events.put(record)
+    @property
+    def listeners(self) -> list[Listener]:
+        return [self.checkpoints] if self.checkpoints is not None else []
 
     def flush(self, step: int) -> None:
-        while True:
-            try:
-                record = self._events.get_nowait()
-            except queue.Empty:
-                return
-            if self.accelerator.trackers:
-                self.accelerator.log(metrics(record), step=step)
+        if self.checkpoints is not None:
+            for metrics in self.checkpoints.drain():
+                self.log(metrics, step)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.accelerator.trackers:
+            self.accelerator.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.close()

@@ -7,6 +7,7 @@ Two CPU processes (on GPUs, drop --cpu):
 
 Interrupt it any way you like (Ctrl-C, ``kill -9``, ``kill -TERM`` of one worker) and run the same command again:
 it continues from the newest checkpoint with the batches and random numbers an uninterrupted run would have used.
+``resilience report /tmp/ckpt`` then shows where the wall time of every run went (goodput, lost progress).
 Every setting can come from the environment instead (``ACCELERATE_RESILIENCE_LOCAL_DIR``, ``..._DURABLE_URL``,
 ``..._EVERY_N_STEPS``, ...; see docs/ACCELERATE.md), which is how ``accelerate launch`` configures plugins.
 """
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="train on CPU processes (gloo)")
     parser.add_argument("--ckpt", default=None, help="local checkpoint directory")
     parser.add_argument("--durable-url", default=None, help="fsspec URL checkpoints are uploaded to, e.g. s3://b/run")
-    parser.add_argument("--every", type=int, default=20, help="save every N optimizer steps")
+    parser.add_argument("--every", default="20", help="save every N optimizer steps, or 'auto' (Young/Daly)")
     parser.add_argument("--epochs", type=int, default=4)
     args = parser.parse_args()
 
@@ -49,7 +50,8 @@ def main() -> None:
     train_dl = DataLoader(TensorDataset(features, targets), batch_size=16, shuffle=True)
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
-    plugin = ResiliencePlugin(local_dir=args.ckpt, durable_url=args.durable_url, every_n_steps=args.every, health=True)
+    every = args.every if args.every == "auto" else int(args.every)
+    plugin = ResiliencePlugin(local_dir=args.ckpt, durable_url=args.durable_url, every_n_steps=every, health=True)
     resilience = attach(accelerator, plugin)  # resilience
     point = resilience.resume()  # resilience: models, optimizer, scheduler, RNG, data position
     if point.restored:
@@ -59,7 +61,7 @@ def main() -> None:
         model.train()
         # resilience: 0 batches to skip with a StatefulDataLoader; the trained ones with a plain DataLoader
         batches = accelerator.skip_first_batches(train_dl, point.batches_to_skip) if epoch == point.epoch else train_dl
-        for x, y in batches:
+        for x, y in resilience.timed(batches):  # resilience: data-wait figures and starvation warnings
             if resilience.should_stop():  # resilience: a preemption or GPU fault; this step is saved already
                 break
             loss = F.mse_loss(model(x), y)

@@ -92,9 +92,9 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
         assert resilience.save() is not None  # the last step: no next batch drew an automatic save
         want = final_state(job)
     assert committed_steps(tmp_path) == [10, 20, 25, 30]  # keep_last=3 plus the multiples of keep_every
-    commits = [entry for entry in tracker.logged if "checkpoint/local_commit/step" in entry]
-    assert [entry["checkpoint/local_commit/step"] for entry in commits] == [5, 10, 15, 20, 25, 30]
-    assert all(entry["checkpoint/local_commit/block_s"] < 5 for entry in commits)
+    commits = [entry for entry in tracker.logged if "checkpoint/write_s" in entry]  # local commits
+    assert [entry["checkpoint/step"] for entry in commits] == [5, 10, 15, 20, 25, 30]
+    assert all(entry["checkpoint/block_s"] < 5 for entry in commits)
 
     # Step 10 ended epoch 0; its automatic save ran as epoch 1's first batch was drawn.
     job = new_job()

@@ -23,6 +23,7 @@ import psutil
 import pytest
 import torch
 
+from resilience.goodput import summarize
 from tests.helpers import S3_ENV, WORKERS, MotoServer, base_env, free_port
 
 WORKER = WORKERS / "accelerate_train.py"
@@ -156,9 +157,7 @@ def test_stop_then_resume_is_bit_exact(stopped: dict[str, Any], reference: dict[
     tmp: Path = stopped["tmp"]
     assert committed_steps(tmp / "ckpt") == [STOP_AT]
     metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert any(
-        m.get("checkpoint/local_commit/step") == STOP_AT and "checkpoint/local_commit/write_s" in m for m in metrics
-    )
+    assert any(m.get("checkpoint/step") == STOP_AT and "checkpoint/write_s" in m for m in metrics)
 
     settings = {k: v for k, v in stopped["settings"].items() if k != "TRAIN_STOP_AT"}
     got = run_job(tmp / "resumed", job_env(tmp, **settings))
@@ -228,3 +227,13 @@ def test_preemption_saves_on_every_rank_and_an_elastic_restart_resumes(
     point = got[0]["resume"]
     assert (point["epoch"], point["batch_in_epoch"], point["global_step"]) == (1, 4, 9)
     assert_same_training(got, reference)
+    # The goodput ledger (rank 0): the stop as a failure with its fault and emergency save, nothing redone.
+    summary = summarize(tmp_path / "ckpt")
+    stopped, restarted = summary.incarnations
+    assert summary.failures == 1 and (stopped.end_reason or "").startswith("stopped, exit code 75: ")
+    markers = [(event["e"], event["reason"]) for event in stopped.events if event["e"] in ("fault", "emergency")]
+    assert markers[0][0] == "fault" and markers[1] == ("emergency", "emergency save of step 9"), markers
+    assert markers[2:] == [("emergency", "the stop's last writes and uploads")], markers
+    assert stopped.last_step == 9 and stopped.buckets["emergency"] > 0
+    assert (restarted.restored_step, restarted.redone_steps, restarted.restart_count) == (9, 0, 1)
+    assert restarted.end_reason == "completed" and summary.buckets["lost"] == 0

@@ -58,6 +58,34 @@ def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyP
     assert plugin.storage_options == {} and plugin.storage_options is not ResiliencePlugin().storage_options
 
 
+def test_goodput_and_auto_interval_fields_from_environment(clean_env: pytest.MonkeyPatch) -> None:
+    plugin = ResiliencePlugin(local_dir="ckpt")
+    assert (plugin.goodput, plugin.run_dir, plugin.goodput_span_s) == (True, None, 10.0)
+    assert (plugin.data_window_steps, plugin.starvation_threshold) == (50, 0.05)
+    assert (plugin.mtbf_hours, plugin.min_interval_s, plugin.max_interval_s) == (None, 60.0, 21600.0)
+    for name, value in {
+        "EVERY_N_STEPS": "Auto",
+        "MTBF_HOURS": "12.5",
+        "MIN_INTERVAL_S": "30",
+        "MAX_INTERVAL_S": "3600",
+        "GOODPUT": "off",
+        "RUN_DIR": "/shared/run",
+        "GOODPUT_SPAN_S": "0",
+        "DATA_WINDOW_STEPS": "20",
+        "STARVATION_THRESHOLD": "0.1",
+    }.items():
+        clean_env.setenv(f"ACCELERATE_RESILIENCE_{name}", value)
+    plugin = ResiliencePlugin(local_dir="ckpt")
+    assert (plugin.every_n_steps, plugin.mtbf_hours, plugin.min_interval_s, plugin.max_interval_s) == (
+        "auto",
+        12.5,
+        30.0,
+        3600.0,
+    )
+    assert (plugin.goodput, plugin.run_dir, plugin.goodput_span_s) == (False, "/shared/run", 0.0)
+    assert (plugin.data_window_steps, plugin.starvation_threshold) == (20, 0.1)
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
@@ -72,6 +100,11 @@ def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyP
             "when_busy='later' is not one of 'wait', 'skip' (set by ACCELERATE_RESILIENCE_WHEN_BUSY)",
         ),
         ("EVERY_N_STEPS", "0", "save only when save() is called (set by ACCELERATE_RESILIENCE_EVERY_N_STEPS)"),
+        ("EVERY_N_STEPS", "often", "ACCELERATE_RESILIENCE_EVERY_N_STEPS='often' is not a whole number"),
+        ("MTBF_HOURS", "soon", "ACCELERATE_RESILIENCE_MTBF_HOURS='soon' is not a number"),
+        ("MAX_INTERVAL_S", "10", "max_interval_s=10.0: use at least min_interval_s (60.0) (set by ACCELERATE_"),
+        ("STARVATION_THRESHOLD", "5", "starvation_threshold=5.0: use a fraction of step time between 0 and 1"),
+        ("DATA_WINDOW_STEPS", "0", "data_window_steps=0: use 1 or more (set by ACCELERATE_RESILIENCE_DATA_WINDOW"),
     ],
 )
 def test_bad_environment_values_name_the_variable(

@@ -6,7 +6,9 @@ indices trained on, the resume point) and OUT_DIR/metrics.jsonl (what reached th
 come from ``ACCELERATE_RESILIENCE_*``; the test knobs: TRAIN_STOP_AT (save with ``accelerator.save_state()`` at
 this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain DataLoader resumed by skipping),
 TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_PREEMPT_AT (the first elastic
-attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection).
+attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
+loop draws batches through ``resilience.timed``). Each rank also records the ``every_n_steps="auto"`` plans it
+followed, and the step at which it got each.
 
 Dropout (torch RNG), Python and NumPy random numbers enter the loss, so any RNG stream restored wrongly shows in
 the final parameters; each rank records the sample indices it trained on in an object registered for
@@ -80,6 +82,7 @@ class Job:
     loader: DataLoader
     scheduler: torch.optim.lr_scheduler.LRScheduler
     seen: SeenSamples
+    plans: list[tuple[int, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
 
 def build_job(accelerator: Accelerator) -> Job:
@@ -98,14 +101,23 @@ def build_job(accelerator: Accelerator) -> Job:
 
 
 def train(
-    job: Job, resilience: ResilienceHandle, point: ResumePoint, *, stop_at: int = 0, sleep_s: float = 0.0
+    job: Job,
+    resilience: ResilienceHandle,
+    point: ResumePoint,
+    *,
+    stop_at: int = 0,
+    sleep_s: float = 0.0,
+    timed: bool = False,
 ) -> None:
-    """Train from ``point`` to the end of the last epoch, or save with ``accelerator.save_state()`` at ``stop_at``."""
+    """Train from ``point`` to the end of the last epoch, or save with ``accelerator.save_state()`` at ``stop_at``.
+
+    ``timed``: wrap the loader in ``resilience.timed`` once, before the epochs, so that skipping into the
+    resumed epoch goes through the wrapper too.
+    """
     accelerator = job.accelerator
+    loader = resilience.timed(job.loader) if timed else job.loader
     for epoch in range(point.epoch, EPOCHS):
-        batches = (
-            accelerator.skip_first_batches(job.loader, point.batches_to_skip) if epoch == point.epoch else job.loader
-        )
+        batches = accelerator.skip_first_batches(loader, point.batches_to_skip) if epoch == point.epoch else loader
         for indices, x, y in batches:
             if resilience.should_stop():  # all ranks agreed on a stop; this step is saved already
                 return
@@ -116,6 +128,9 @@ def train(
             job.scheduler.step()
             job.optimizer.zero_grad()
             job.seen.indices.extend(indices.tolist())
+            plan = resilience.interval_plan
+            if plan is not None and (not job.plans or job.plans[-1][1] != plan.to_dict()):
+                job.plans.append((resilience.global_step, plan.to_dict()))
             if sleep_s:
                 time.sleep(sleep_s)
             if resilience.global_step == stop_at:
@@ -129,6 +144,7 @@ def final_state(job: Job) -> dict[str, Any]:
         "optimizer": job.optimizer.state_dict(),
         "scheduler": job.scheduler.state_dict(),
         "indices": list(job.seen.indices),
+        "plans": list(job.plans),
     }
 
 
@@ -156,6 +172,7 @@ def main() -> None:
         point,
         stop_at=int(os.environ.get("TRAIN_STOP_AT", "0")),
         sleep_s=float(os.environ.get("TRAIN_STEP_SLEEP", "0")),
+        timed=os.environ.get("TRAIN_TIMED") == "1",
     )
     torch.save({**final_state(job), "resume": dataclasses.asdict(point)}, out / f"final-rank{rank}.pt")
     accelerator.end_training()  # routed: closes the handle (waits for the last save) first
