@@ -9,10 +9,10 @@ TORCH  ?= torch==2.13.0
 .PHONY: setup demo test lint bench
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c requirements/constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
