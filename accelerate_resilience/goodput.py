@@ -20,7 +20,6 @@ from resilience.goodput.ledger import ledger_dir
 
 # With "auto", the first save comes this many steps in: it measures what a save costs.
 AUTO_FIRST_SAVE_STEPS = 5
-PLAN_METRICS = ("interval_s", "expected_overhead", "expected_lost_s_per_failure", "mtbf_s")
 
 
 class LoaderMonitor(DataWaitMonitor):
@@ -121,6 +120,4 @@ class AutoInterval:
     def metrics(self) -> dict[str, float]:
         """The plan for the trackers: the interval in steps, and what it is expected to cost."""
         assert self.plan is not None
-        metrics = {f"checkpoint/{name}": float(getattr(self.plan, name)) for name in PLAN_METRICS}
-        metrics["checkpoint/interval_steps"] = float(self.interval_steps)
-        return metrics
+        return self.plan.metrics(self.interval_steps)

@@ -101,14 +101,5 @@ class PeriodicCheckpoint(Callback):
         steps = trainer.strategy.broadcast(plan.interval_steps or self.warmup_steps)  # same on every rank
         self.last_plan = plan.to_dict()
         if trainer.logger is not None and trainer.is_global_zero:
-            trainer.logger.log_metrics(
-                {
-                    "checkpoint/interval_steps": float(steps),
-                    "checkpoint/interval_s": plan.interval_s,
-                    "checkpoint/expected_overhead": plan.expected_overhead,
-                    "checkpoint/expected_lost_s_per_failure": plan.expected_lost_s_per_failure,
-                    "checkpoint/mtbf_s": plan.mtbf_s,
-                },
-                step=trainer.global_step,
-            )
+            trainer.logger.log_metrics(plan.metrics(int(steps)), step=trainer.global_step)
         return int(steps)

@@ -61,3 +61,17 @@ def test_prior_before_any_failure_and_before_any_save() -> None:
     adaptive.observe_cost(30.0)
     plan = adaptive.plan()
     assert plan.clamped and plan.interval_s == 3_600.0
+
+
+def test_plan_metrics_for_loggers() -> None:
+    adaptive = AdaptiveInterval(mtbf_s=7_200.0, min_s=1.0)
+    adaptive.observe_cost(4.0)
+    plan = adaptive.plan(step_s=0.5)
+    metrics = plan.metrics(interval_steps=480)
+    assert metrics == {
+        "checkpoint/interval_steps": 480.0,
+        "checkpoint/interval_s": pytest.approx(240.0),
+        "checkpoint/expected_overhead": pytest.approx(4.0 / 240.0),
+        "checkpoint/expected_lost_s_per_failure": pytest.approx(120.0),
+        "checkpoint/mtbf_s": 7_200.0,
+    }

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +30,20 @@ def train(
     return subprocess.run(
         command, env=base_env(env), cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def resilience_json(*args: str) -> Any:
+    """The ``resilience`` command's ``--json`` output, run as a user runs it."""
+    done = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", *args, "--json"],
+        cwd=ROOT,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(done.stdout)
 
 
 def params(path: Path) -> dict[str, torch.Tensor]:
@@ -220,26 +235,8 @@ def test_lightning_cli_fit_stop_fit_again_resumes(tmp_path: Path) -> None:
     output = second.stdout + second.stderr
     assert second.returncode == 0, output
     assert "Restored all states" in output and "max_steps=30` reached" in output
-    listing = subprocess.run(
-        [sys.executable, "-m", "resilience.cli", "ls", f"file://{run}/durable", "--json"],
-        cwd=ROOT,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    durable = {row["step"]: row for row in json.loads(listing.stdout) if row["committed"]}
+    durable = {row["step"]: row for row in resilience_json("ls", f"file://{run}/durable") if row["committed"]}
     assert 20 in durable and durable[20]["world_size"] == 2, durable  # ModelCheckpoint's step-20 save, uploaded
     assert (run / "goodput").is_dir()
-    report = subprocess.run(
-        [sys.executable, "-m", "resilience.cli", "report", str(run), "--json"],
-        cwd=ROOT,
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    summary = json.loads(report.stdout)
+    summary = resilience_json("report", str(run))
     assert summary["failures"] == 1 and len(summary["incarnations"]) == 2

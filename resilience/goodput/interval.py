@@ -43,6 +43,16 @@ class IntervalPlan:
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
+    def metrics(self, interval_steps: int, prefix: str = "checkpoint/") -> dict[str, float]:
+        """The plan for loggers and trackers; ``interval_steps`` is the one the ranks agreed on."""
+        return {
+            f"{prefix}interval_steps": float(interval_steps),
+            f"{prefix}interval_s": self.interval_s,
+            f"{prefix}expected_overhead": self.expected_overhead,
+            f"{prefix}expected_lost_s_per_failure": self.expected_lost_s_per_failure,
+            f"{prefix}mtbf_s": self.mtbf_s,
+        }
+
     def describe(self) -> str:
         steps = f" ({self.interval_steps} steps)" if self.interval_steps is not None else ""
         cost = f"{self.cost_s:.2f} s blocking per save" if self.cost_s is not None else "no save measured yet"
