@@ -1,0 +1,333 @@
+"""Lightning: how long each CheckpointIO stops training per save, and what saving costs 100 steps (issue 3).
+
+A LightningModule of 8 x Linear(w, w) with Adam (w from --size-gb; 1.6 GB gives w = 4096), synthetic data,
+``Trainer(accelerator="cpu")``, one fit per variant per round, variants in rotating order. Saves go through
+``trainer.save_checkpoint`` from a callback on the training thread; blocking = the wall time of that call, plus
+for our asynchronous staging the wait the engine's optimizer pre-step hook makes the next ``optimizer.step()``
+do (read from the engine's counters). Variants: TorchCheckpointIO (Lightning's default), AsyncCheckpointIO
+(clones every tensor on the training thread, then torch.save in a thread), ours (``ResilientCheckpointIO``)
+with synchronous and asynchronous staging, and the floor (a CheckpointIO that copies every tensor into
+preallocated buffers and writes nothing).
+
+--mode blocking: each fit saves every 2nd step and, at the end of the step after a save, waits for that save
+to complete, so each save is timed on a quiet machine; the first save of a fit (it allocates the reused
+buffers) is reported apart.
+--mode throughput: 100 steps with a save every 10 (at steps 5, 15, ..., 95, so each save's background work
+falls inside the run), next to the same fit without saves; the fit's end waits for the last save.
+
+    .venv/bin/python -m benchmarks.bench_lightning --mode blocking [--size-gb 1.6] [--saves 4] [--repeats 1]
+    .venv/bin/python -m benchmarks.bench_lightning --mode throughput [--size-gb 0.4] [--steps 100] [--every 10]
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.common import (
+    LAYERS,
+    HostCopy,
+    Report,
+    Stats,
+    now,
+    parse,
+    parser,
+    ratio,
+    rotated,
+    scratch,
+    tensors_in,
+    verdict,
+    width_for,
+)
+from lightning_resilience import ResilientCheckpointIO
+
+BATCH = 8
+NO_SAVES, TORCH_IO, ASYNC_IO, SYNC, ASYNC, FLOOR = (
+    "no saves",
+    "TorchCheckpointIO (default)",
+    "AsyncCheckpointIO",
+    "ours, sync staging",
+    "ours, async staging",
+    "floor: copy into preallocated buffers",
+)
+
+
+class Net(pl.LightningModule):
+    """8 x Linear(w, w) trained with Adam on a mean-square loss: the state is parameters plus Adam's moments."""
+
+    def __init__(self, width: int, layers: int = LAYERS) -> None:
+        super().__init__()
+        self.width = width
+        self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def loader(width: int, steps: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    return DataLoader(TensorDataset(torch.randn(steps * BATCH, width)), batch_size=BATCH)
+
+
+def trainer(max_steps: int, root: Path, **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer with nothing on that a benchmark does not ask for (no logger, progress bar or checkpoints)."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        # Lightning wants this on when a Checkpoint callback (AutoResume) is given, and adds none of its own then
+        enable_checkpointing=any(isinstance(c, Checkpoint) for c in kwargs.get("callbacks") or ()),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
+    )
+
+
+class HostCopyIO(CheckpointIO):
+    """The floor as a CheckpointIO: copies every tensor of the checkpoint into preallocated buffers, keeps nothing."""
+
+    def __init__(self) -> None:
+        self.copy = HostCopy()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self.copy.copy(tensors_in(checkpoint))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        raise NotImplementedError("the floor keeps nothing to load")
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Nothing was written."""
+
+
+PLUGINS: dict[str, Callable[[Path], CheckpointIO | None]] = {
+    NO_SAVES: lambda root: None,
+    TORCH_IO: lambda root: None,
+    ASYNC_IO: lambda root: AsyncCheckpointIO(),
+    SYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2),
+    ASYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
+    FLOOR: lambda root: HostCopyIO(),
+}
+
+
+def staging_wait(io: CheckpointIO) -> float:
+    """Seconds our engine has made optimizer steps wait for background staging so far."""
+    return io.manager.stats.staging_wait_s if isinstance(io, ResilientCheckpointIO) else 0.0
+
+
+def drain(io: CheckpointIO) -> None:
+    """Wait until every save handed to ``io`` is complete, through the plugin's own means."""
+    if isinstance(io, ResilientCheckpointIO):
+        io.manager.wait()
+    elif isinstance(io, AsyncCheckpointIO):
+        io.teardown()  # waits for the queued saves; the next save starts a new thread
+
+
+class TimedSaves(pl.Callback):
+    """Saves at the given global steps and records what each save costs the training thread.
+
+    With ``drain``, the step after a save ends by waiting for that save to complete (not counted), and the
+    file is removed as ModelCheckpoint's top-k would, so every save is timed without the previous one's
+    background work. ``marks`` holds the time at the end of every step, for throughput over windows.
+    """
+
+    def __init__(self, root: Path, steps: set[int], drain: bool) -> None:
+        self.root, self.steps, self.drain = root, steps, drain
+        self.blocks: list[dict[str, float]] = []
+        self.marks: list[float] = []
+        self._pending: tuple[str, float] | None = None  # path, staging-wait counter at the save
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start, self.cpu_start = now(), time.process_time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        io = trainer.strategy.checkpoint_io
+        if self._pending is not None:
+            path, waited = self._pending
+            self.blocks[-1]["wait"] = staging_wait(io) - waited
+            self.blocks[-1]["block"] += self.blocks[-1]["wait"]
+            self._pending = None
+            if self.drain:
+                drain(io)
+                trainer.strategy.remove_checkpoint(path)
+        if trainer.global_step in self.steps:
+            path = str(self.root / f"step={trainer.global_step}.ckpt")
+            start = now()
+            trainer.save_checkpoint(path)
+            self.blocks.append({"block": now() - start, "wait": 0.0})
+            self._pending = (path, staging_wait(io))
+        self.marks.append(now())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        drain(trainer.strategy.checkpoint_io)
+        self.end, self.cpu_end = now(), time.process_time()
+
+
+def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], drain_each: bool) -> TimedSaves:
+    """One Trainer.fit of ``steps`` steps with ``variant``'s CheckpointIO; fresh Adam state, same model."""
+    directory = Path(tempfile.mkdtemp(prefix="fit-", dir=root))
+    io = PLUGINS[variant](directory)
+    saves = TimedSaves(directory, set() if variant == NO_SAVES else save_at, drain_each)
+    run = trainer(steps, directory, plugins=[io] if io is not None else None, callbacks=[saves])
+    run.fit(model, loader(model.width, steps))
+    del run
+    gc.collect()
+    return saves
+
+
+def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
+    variants = [v for v in PLUGINS if v != NO_SAVES]
+    fit(model, NO_SAVES, root, 3, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
+    first: dict[str, list[float]] = {v: [] for v in variants}
+    later: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    save_at = {2 * i for i in range(1, args.saves + 1)}
+    for round_ in range(args.repeats):
+        for variant in rotated(variants, round_):
+            blocks = fit(model, variant, root, 2 * args.saves + 1, save_at, drain_each=True).blocks
+            first[variant].append(blocks[0]["block"])
+            later[variant] += blocks[1:]
+
+    def block(variant: str) -> Stats:
+        return Stats.of(b["block"] for b in later[variant])
+
+    floor, async_io = block(FLOOR).median, block(ASYNC_IO).median
+    report.table(
+        [
+            "CheckpointIO",
+            "first save",
+            "blocking per save",
+            "of which staging wait",
+            "x floor",
+            "AsyncCheckpointIO / it",
+        ],
+        [
+            [
+                v,
+                Stats.of(first[v]).fmt(),
+                block(v).fmt(),
+                Stats.of(b["wait"] for b in later[v]).fmt(),
+                f"{ratio(block(v).median, floor):.2f}",
+                f"{ratio(async_io, block(v).median):.1f}x",
+            ]
+            for v in variants
+        ],
+    )
+    for v in (ASYNC, SYNC):
+        less = ratio(async_io, block(v).median)
+        report.add(
+            f"- Target: at least 20x less blocking than AsyncCheckpointIO, {v}: {less:.1f}x, {verdict(less >= 20)}."
+        )
+    report.add(
+        "- AsyncCheckpointIO blocks for a clone of every tensor into fresh memory on the training thread; "
+        "TorchCheckpointIO for the whole torch.save (to the page cache, no fsync)."
+    )
+
+
+def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
+    save_at = set(range(args.every // 2, args.steps + 1, args.every))
+    runs: dict[str, list[TimedSaves]] = {v: [] for v in PLUGINS}
+    fit(model, NO_SAVES, root, args.every, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
+    for round_ in range(args.repeats):
+        for variant in rotated(list(PLUGINS), round_):
+            runs[variant].append(fit(model, variant, root, args.steps, save_at, drain_each=False))
+
+    def rate(variant: str) -> Stats:
+        return Stats.of(args.steps / (r.end - r.start) for r in runs[variant])
+
+    def cpu(variant: str) -> Stats:
+        return Stats.of((r.cpu_end - r.cpu_start) / args.steps for r in runs[variant])
+
+    def windows(variant: str) -> Stats:
+        """Seconds per ``every`` steps, each window holding one save (the last one includes the final wait)."""
+        spans = []
+        for r in runs[variant]:
+            bounds = [r.start, *r.marks[args.every - 1 :: args.every]]
+            bounds[-1] = r.end
+            spans += [b - a for a, b in itertools.pairwise(bounds)]
+        return Stats.of(spans)
+
+    base, base_cpu = rate(NO_SAVES).median, cpu(NO_SAVES).median
+    report.table(
+        [
+            "CheckpointIO",
+            "steps/s",
+            "x no saves",
+            f"seconds per {args.every} steps",
+            "blocking per save",
+            "process CPU s/step",
+            "x no saves (CPU)",
+        ],
+        [
+            [
+                v,
+                rate(v).fmt(3),
+                f"{ratio(rate(v).median, base):.3f}",
+                windows(v).fmt(),
+                Stats.of(b["block"] for r in runs[v] for b in r.blocks).fmt(),
+                cpu(v).fmt(3),
+                f"{ratio(base_cpu, cpu(v).median):.3f}",
+            ]
+            for v in PLUGINS
+        ],
+    )
+    for v in (ASYNC, SYNC):
+        share = ratio(rate(v).median, base)
+        report.add(
+            f"- Target: throughput with a save every {args.every} steps at least 0.95x of no saves, {v}: "
+            f"{share:.3f}x, {verdict(share >= 0.95)} (TorchCheckpointIO {ratio(rate(TORCH_IO).median, base):.3f}x, "
+            f"AsyncCheckpointIO {ratio(rate(ASYNC_IO).median, base):.3f}x)."
+        )
+    report.add(
+        "- Steps/s = steps over the time from the start of training to the end of the fit, including the wait "
+        "for the last save; the window column's IQR shows the spread between save intervals. Process CPU time "
+        "(all threads of the training process) is the second view: on a shared machine other jobs' load moves "
+        "wall time but hardly the CPU a save adds; its ratio is no-save CPU per step over the variant's."
+    )
+
+
+def main() -> None:
+    p = parser(__doc__, size_gb=None, repeats=1)
+    p.add_argument("--mode", choices=("blocking", "throughput"), required=True)
+    p.add_argument("--saves", type=int, default=4, help="blocking: saves per fit (default %(default)s)")
+    p.add_argument("--steps", type=int, default=100, help="throughput: steps per fit (default %(default)s)")
+    p.add_argument("--every", type=int, default=10, help="throughput: steps between saves (default %(default)s)")
+    args = parse(p)
+    args.size_gb = args.size_gb or (1.6 if args.mode == "blocking" else 0.4)
+    width = width_for(args.size_gb)
+    model = Net(width)
+    size = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # values and Adam's two moments
+    what = (
+        f"{args.saves} saves per fit, every 2nd step, each waited for at the end of the next step"
+        if args.mode == "blocking"
+        else f"{args.steps} steps per fit, a save every {args.every} steps"
+    )
+    report = Report(
+        f"Lightning: {'blocking time per save' if args.mode == 'blocking' else 'training throughput'} (issue 3)",
+        f"LightningModule of {LAYERS} x Linear({width}, {width}) + Adam = {size / 1e9:.2f} GB, batch {BATCH}, "
+        f"Trainer(accelerator='cpu'); {what}; {args.repeats} round(s), variants in rotating order; "
+        "median [IQR] in seconds",
+    )
+    with scratch(args.dir, "lightning") as root:
+        (blocking if args.mode == "blocking" else throughput)(args, model, root, report)
+    report.print()
+
+
+if __name__ == "__main__":
+    main()

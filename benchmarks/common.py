@@ -1,0 +1,425 @@
+"""What every benchmark shares: the state under test, a training step, turns in rotating order, statistics, reports.
+
+Each benchmark compares ours with its baselines inside one run, taking turns in an order that rotates every round,
+so a machine that speeds up or slows down (other jobs, page cache, memory pressure) affects every variant alike.
+Results are medians with interquartile ranges over the turns, never a single run. Heavy imports (torch, psutil)
+stay inside functions so that workers timed from process start (the resume benchmark's floor) do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+GB = 1e9
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = 8
+DEFAULT_SIZE_GB = 1.6
+QUICK_SIZE_GB = 0.05
+RESULT_PREFIX = "BENCH-RESULT "
+
+
+# ---- the state under test ----------------------------------------------------------------------------------------
+
+
+def width_for(size_gb: float, layers: int = LAYERS) -> int:
+    """Width of ``layers`` x Linear(w, w) whose fp32 parameters and Adam moments come to about ``size_gb``.
+
+    Width, not depth, follows the size, so every size has the same tensors and sizes differ in bytes alone;
+    1.6 GB gives the 8 x Linear(4096, 4096) of the issues.
+    """
+    per_layer = size_gb * GB / layers / 12  # weight + bias, times 3: the values and Adam's two moments
+    return max(64, round(math.sqrt(per_layer) / 64) * 64)
+
+
+def build(layers: int, width: int, device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    """A model and Adam with its moments materialized; returns them and the state's size in bytes."""
+    import torch
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer, nbytes(model_state(model, optimizer))
+
+
+def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a training script checkpoints: the model's and the optimizer's state dicts."""
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """Every tensor of a nested dict/list/tuple, in order."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, Mapping):
+        return [t for value in tree.values() for t in tensors_in(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in tensors_in(value)]
+    return []
+
+
+def nbytes(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_in(tree))
+
+
+def tensor_state(total_bytes: int, count: int) -> dict[str, torch.Tensor]:
+    """``count`` fp32 tensors adding up to ``total_bytes``: to vary the tensor count with the bytes fixed."""
+    import torch
+
+    numel = max(1, total_bytes // 4 // count)
+    return {f"t{i:05d}": torch.randn(numel) for i in range(count)}
+
+
+class Stepper:
+    """Real training steps (forward, backward, Adam) on the state being saved.
+
+    A save that copies in the background overlaps the next forward and backward; the engine makes the next
+    ``optimizer.step()`` wait for the copy (a global optimizer pre-step hook), so that wait is inside a step.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, width: int, batch: int = 8):
+        import torch
+
+        self.model, self.optimizer = model, optimizer
+        device = next(model.parameters()).device
+        self.batch = torch.randn(batch, width, generator=torch.Generator().manual_seed(0)).to(device)
+        self.cuda = device.type == "cuda"
+
+    def step(self) -> None:
+        """One step, finished when this returns (on a GPU too, so a step's time is what the device took)."""
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(self.batch).square().mean().backward()
+        self.optimizer.step()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class HostCopy:
+    """The floor of any save that blocks training: one copy of each tensor into host buffers allocated once.
+
+    Buffers for GPU tensors are pinned, as the fastest device-to-host copy needs.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy(self, tensors: Sequence[torch.Tensor]) -> None:
+        import torch
+
+        if len(self._buffers) != len(tensors):
+            self._buffers = [torch.empty_like(t, device="cpu", pin_memory=t.is_cuda) for t in tensors]
+        with torch.no_grad():
+            for buffer, tensor in zip(self._buffers, tensors, strict=True):
+                buffer.copy_(tensor, non_blocking=tensor.is_cuda)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+
+
+# ---- clocks, turns and statistics --------------------------------------------------------------------------------
+
+
+def now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def rotated(names: Sequence[str], turn: int) -> list[str]:
+    shift = turn % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+Sample = dict[str, float]
+
+
+def alternate(turns: Mapping[str, Callable[[], Sample]], repeats: int, warmup: int = 1) -> dict[str, list[Sample]]:
+    """Each variant's turn ``warmup + repeats`` times, in an order that rotates every round.
+
+    Warm-up rounds are dropped: first calls allocate buffers, spawn threads and fault in pages, which a
+    long-running job pays once.
+    """
+    samples: dict[str, list[Sample]] = {name: [] for name in turns}
+    for round_ in range(warmup + repeats):
+        for name in rotated(list(turns), round_):
+            sample = turns[name]()
+            if round_ >= warmup:
+                samples[name].append(sample)
+    return samples
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and interquartile range of repeated measurements."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Stats:
+        data = sorted(values)
+        if not data:
+            return cls(math.nan, math.nan, math.nan, 0)
+        if len(data) == 1:
+            return cls(data[0], data[0], data[0], 1)
+        q1, _, q3 = statistics.quantiles(data, n=4, method="inclusive")
+        return cls(statistics.median(data), q1, q3, len(data))
+
+    def fmt(self, digits: int = 3, scale: float = 1.0) -> str:
+        if self.n == 0:
+            return "-"
+        m, lo, hi = (scale * v for v in (self.median, self.q1, self.q3))
+        return f"{m:.{digits}f}" if self.n == 1 else f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def column(samples: Sequence[Sample], key: str) -> Stats:
+    return Stats.of(s[key] for s in samples if key in s)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
+
+
+def verdict(met: bool) -> str:
+    return "**met**" if met else "**not met**"
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope: how much ``y`` grows per unit of ``x``."""
+    if len(set(xs)) < 2:
+        return math.nan
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+# ---- host memory -------------------------------------------------------------------------------------------------
+
+
+def rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class PeakRSS:
+    """Samples this process's resident memory every few milliseconds; ``peak`` is the highest seen.
+
+    Sampling (not the kernel's high-water mark) so that a window can be reset: each save gets its own peak.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval = interval_s
+        self.peak = self._process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-rss", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def reset(self) -> None:
+        self.peak = self._process.memory_info().rss
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+
+# ---- the machine and the report ----------------------------------------------------------------------------------
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _ram_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 2**20
+    return math.nan
+
+
+def commit() -> str:
+    """The checked-out commit, marked when the working tree differs from it (as while these are written)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "--short=10", "HEAD") or "unknown"
+    return f"{head} + uncommitted changes" if git("status", "--porcelain") else head
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine() -> str:
+    import torch
+
+    return (
+        f"{_cpu_model()}, {os.cpu_count()} cores, {_ram_gib():.1f} GiB RAM, Linux {platform.release()}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+class Report:
+    """One markdown section: a heading, when and where it ran, the settings, then tables and notes."""
+
+    def __init__(self, title: str, settings: str):
+        self._load_start = loadavg()
+        self._lines = [
+            f"## {title}",
+            "",
+            f"- Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; commit {commit()}",
+            f"- Machine: {machine()}",
+            f"- Settings: {settings}; torch intra-op threads: {_torch_threads()}",
+        ]
+
+    def add(self, text: str = "") -> None:
+        self._lines.append(text)
+
+    def heading(self, text: str) -> None:
+        self._lines += ["", f"### {text}", ""]
+
+    def table(self, headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+        self._lines += ["", markdown_table(headers, rows), ""]
+
+    def print(self) -> None:
+        self._lines.insert(5, f"- Load average (1, 5, 15 min) at start: {self._load_start}; at end: {loadavg()}")
+        print("\n".join(self._lines).rstrip() + "\n", flush=True)
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---- command lines, scratch space and worker processes -----------------------------------------------------------
+
+
+def parser(doc: str | None, *, size_gb: float | None = DEFAULT_SIZE_GB, repeats: int = 3) -> argparse.ArgumentParser:
+    """The options every benchmark takes, with its own defaults (``size_gb=None``: the benchmark picks one)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gb", type=float, default=size_gb, help="model + Adam state, GB (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=repeats, help="timed rounds after a warm-up (default %(default)s)")
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for training (default %(default)s: on a small shared machine two threads "
+        "spin against other jobs and swing step times several-fold; one leaves a core to the checkpoint "
+        "pipeline, as a GPU host has spare CPU)",
+    )
+    return p
+
+
+def parse(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse the command line and set torch up the same way in every benchmark and worker."""
+    args = p.parse_args()
+    setup_torch(args.threads)
+    return args
+
+
+def setup_torch(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)  # tiny values late in a run would otherwise slow the CPU steps down
+
+
+@contextmanager
+def scratch(parent: str | None, prefix: str) -> Iterator[Path]:
+    """A fresh directory for one benchmark's checkpoints, removed afterwards whatever happens."""
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"bench-{prefix}-", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """Hand a worker's measurements to the benchmark that started it (one marked JSON line on stdout).
+
+    One write call, not print's two: ranks of a job share the pipe, and a line written at once (under the
+    pipe's atomic size) cannot interleave with another rank's.
+    """
+    sys.stdout.write(f"{RESULT_PREFIX}{json.dumps(result)}\n")
+    sys.stdout.flush()
+
+
+def results_in(output: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len(RESULT_PREFIX) :]) for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+
+
+def worker_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_worker(
+    module: str, args: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+) -> tuple[list[dict[str, Any]], str]:
+    """Run ``python -m module args`` to the end; its results and its whole output, or an error that shows it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=worker_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} exited {proc.returncode}:\n{output[-6000:]}")
+    return results_in(proc.stdout), output
