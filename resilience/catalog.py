@@ -18,6 +18,7 @@ from resilience.storage import Tier
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+NOT_COMMITTED = "not committed (no manifest)"
 
 
 @dataclass
@@ -46,7 +47,7 @@ def scan(tier: Tier) -> list[Entry]:
         try:
             data = tier.read_bytes(manifest_path)
         except FileNotFoundError:
-            entries.append(Entry(step, tier, path, None, "not committed (no manifest)"))
+            entries.append(Entry(step, tier, path, None, NOT_COMMITTED))
             continue
         try:
             manifest = Manifest.from_json(data, where=tier.display(manifest_path), expected_step=step)
@@ -105,13 +106,20 @@ def _corrupt(entry: Entry, item: FileEntry, what: str) -> CorruptCheckpointError
     )
 
 
-def candidates(tiers: Iterable[Tier | None]) -> list[Entry]:
+def candidates(tiers: Iterable[Tier | None], *, invalid: bool = False) -> list[Entry]:
     """Committed, loadable entries of all tiers, newest step first; the local tier first within a step.
 
     A local-tier manifest written for one node's part only (node-local disks) is not loadable by itself.
+    With ``invalid``, entries whose manifest is there but invalid come too (with their ``problem``): resume
+    must report and set them aside like corrupt files, or their step could never be saved again.
     """
     found = [entry for tier in tiers if tier is not None for entry in scan(tier)]
-    usable = [e for e in found if e.manifest is not None and e.manifest.is_global]
+    usable = [
+        e
+        for e in found
+        if (e.manifest is not None and e.manifest.is_global)
+        or (invalid and e.manifest is None and e.problem != NOT_COMMITTED)
+    ]
     order = {"local": 0, "durable": 1}
     return sorted(usable, key=lambda e: (-e.step, order.get(e.tier.name, 2)))
 

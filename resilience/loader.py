@@ -74,8 +74,9 @@ def read_verified(entry: Entry, name: str) -> bytes:
     return data
 
 
+# No BytesStorageMetadata: the engine saves tensors only, and DCP reads "bytes" entries with
+# torch.load(weights_only=False), which would run a pickle from a shard.
 _DCP_METADATA_CLASSES = (
-    "BytesStorageMetadata",
     "ChunkStorageMetadata",
     "Metadata",
     "MetadataIndex",
@@ -118,14 +119,40 @@ def load_dcp_metadata(entry: Entry) -> Metadata:
         raise CorruptCheckpointError(f"{entry.where()}: DCP metadata is not readable ({exc})") from exc
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{entry.where()}: DCP metadata holds a {type(metadata).__name__}")
+    _check_metadata(entry, metadata)
     return metadata
 
 
+def _check_metadata(entry: Entry, metadata: Metadata) -> None:
+    """DCP trusts its metadata to name what to read and where: hold it to what the engine writes.
+
+    A tampered ``.metadata`` with a matching checksum could otherwise point reads at files outside the
+    checkpoint (another step's shards, any file the process can read) or declare a non-tensor entry.
+    """
+    assert entry.manifest is not None
+    shards = {item.path for item in entry.manifest.files if item.kind == "shard"}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CorruptCheckpointError(
+                f"{entry.where()}: DCP metadata entry {key!r} is a {type(md).__name__}, not a tensor", step=entry.step
+            )
+    if not isinstance(metadata.storage_data, dict):
+        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata has no map of its files", step=entry.step)
+    for info in metadata.storage_data.values():
+        path = getattr(info, "relative_path", None)
+        if path not in shards:
+            raise CorruptCheckpointError(
+                f"{entry.where()}: DCP metadata points at {path!r}, which is not a shard the manifest lists",
+                step=entry.step,
+            )
+
+
 def load_skeleton(entry: Entry, name: str) -> Any:
+    data = read_verified(entry, name)
     try:
-        return json.loads(read_verified(entry, name))
-    except json.JSONDecodeError as exc:
-        raise CorruptCheckpointError(f"{entry.where()}: {name} is not JSON ({exc})") from exc
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{entry.where()}: {name} is not JSON ({type(exc).__name__}: {exc})") from exc
 
 
 # ---- DCP plumbing ------------------------------------------------------------------------------------------

@@ -80,8 +80,8 @@ class Manifest:
             raise bad(f"{len(data)} bytes is more than any manifest needs ({MAX_MANIFEST_BYTES})")
         try:
             body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise bad(f"not JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:  # also huge integers and nesting deeper than the parser's stack
+            raise bad(f"not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
         if not isinstance(body, dict):
             raise bad("top level is not an object")
         if body.get("format") != FORMAT:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -271,7 +272,7 @@ class Pipeline:
                 entries.append(FileEntry(name, size, digest, self.rank, kind))
             timings["hash_s"] = time.monotonic() - t0
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = _describe(exc, self.rank)
+            error = _describe(exc, self.rank) + _space_hint(local_dir, job.staging.nbytes)
             log.debug("write of step %s failed on rank %s:\n%s", step, self.rank, traceback.format_exc())
         try:
             gathered = self.writer_channel.all_gather((entries, error, timings))
@@ -423,7 +424,7 @@ class Pipeline:
                     }
                 )
                 try:
-                    durable.write_exclusive(durable.step_path(step, MANIFEST_NAME), manifest.to_json())
+                    self._commit_durable(step, manifest.to_json())
                 except Exception as exc:
                     commit_error = _describe(exc)
             if not failures:
@@ -462,34 +463,50 @@ class Pipeline:
 
         def put(entry: FileEntry) -> None:
             source = self.local.step_path(step, entry.path)
-            target = durable.step_path(step, entry.path)
-            attempt = 0
-            while True:
-                try:
-                    durable.put_file(source, target)
-                    return
-                except (FileNotFoundError, PermissionError, IsADirectoryError):
-                    raise
-                except Exception as exc:
-                    attempt += 1
-                    if attempt > self.config.upload_retries:
-                        raise OSError(f"{entry.path}: gave up after {attempt} attempts ({_describe(exc)})") from exc
-                    delay = min(30.0, self.config.upload_backoff_s * 2 ** (attempt - 1))
-                    delay *= random.uniform(0.5, 1.0)
-                    log.warning(
-                        "upload of %s (step %s) failed (%s); retry %d in %.1fs",
-                        entry.path,
-                        step,
-                        _describe(exc),
-                        attempt,
-                        delay,
-                    )
-                    self._emit("upload_retry", step, file=entry.path, attempt=attempt, error=_describe(exc))
-                    time.sleep(delay)
+            self._retrying(step, entry.path, lambda: durable.put_file(source, durable.step_path(step, entry.path)))
 
         with ThreadPoolExecutor(self.config.upload_concurrency, thread_name_prefix="resilience-put") as pool:
             for future in [pool.submit(put, entry) for entry in entries]:
                 future.result()
+
+    def _commit_durable(self, step: int, data: bytes) -> None:
+        """Write the durable manifest once, retried like the files: a store's error or throttling response to
+        this one small PUT must not cost the commit of everything uploaded before it."""
+        assert self.durable is not None
+        durable = self.durable
+        path = durable.step_path(step, MANIFEST_NAME)
+
+        def write() -> None:
+            try:
+                durable.write_exclusive(path, data)
+            except FileExistsError:
+                # An earlier attempt (ours, or the client library's after a timeout) landed but its response
+                # was lost. The manifest holds this upload's own timings, so equal bytes mean it is ours.
+                if durable.read_bytes(path) != data:
+                    raise
+
+        self._retrying(step, MANIFEST_NAME, write)
+
+    def _retrying(self, step: int, name: str, action: Callable[[], None]) -> None:
+        """Run one transfer with exponential backoff and jitter; errors that a retry cannot fix end it at once."""
+        attempt = 0
+        while True:
+            try:
+                action()
+                return
+            except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
+                raise
+            except Exception as exc:
+                attempt += 1
+                if attempt > self.config.upload_retries:
+                    raise OSError(f"{name}: gave up after {attempt} attempts ({_describe(exc)})") from exc
+                delay = min(30.0, self.config.upload_backoff_s * 2 ** (attempt - 1))
+                delay *= random.uniform(0.5, 1.0)
+                log.warning(
+                    "upload of %s (step %s) failed (%s); retry %d in %.1fs", name, step, _describe(exc), attempt, delay
+                )
+                self._emit("upload_retry", step, file=name, attempt=attempt, error=_describe(exc))
+                time.sleep(delay)
 
     def _fail_durable(self, job: UploadJob, error: CheckpointError) -> None:
         # recorded before the handle wakes its waiter, so the next save() is sure to see it
@@ -540,6 +557,17 @@ def remove_checkpoint(tier: Tier, path: str) -> None:
     if tier.exists(manifest):
         tier.fs.rm_file(manifest)
     tier.remove_dir(path)
+
+
+def _space_hint(directory: str, need: int) -> str:
+    """Name a full disk: ENOSPC inside ``torch.save`` surfaces only as its zip writer's "unexpected pos" error."""
+    try:
+        free = shutil.disk_usage(directory if os.path.isdir(directory) else os.path.dirname(directory)).free
+    except OSError:
+        return ""
+    if free >= need:
+        return ""
+    return f"; only {free} bytes are free under {directory}, less than the {need} bytes to write: the disk is full"
 
 
 def _describe(exc: BaseException, rank: int | None = None) -> str:

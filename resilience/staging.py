@@ -47,6 +47,12 @@ class StagingJob:
         return self.staged
 
     @property
+    def nbytes(self) -> int:
+        """Bytes staged on this rank (a DTensor's local shard, not its global size)."""
+        local = [t._local_tensor if isinstance(t, DTensor) else t for t in self.staged.values()]
+        return sum(t.numel() * t.element_size() for t in local)
+
+    @property
     def done(self) -> bool:
         cuda_done = self._cuda_event is None or self._cuda_event.query()
         return cuda_done and (self._cpu_copy is None or self._cpu_copy.done())

@@ -8,6 +8,8 @@ manifest appear whole and at most once (rename-free link on POSIX, a conditional
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
 import uuid
@@ -20,6 +22,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from resilience.errors import ConfigError
 
+log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _SECRET_WORDS = ("key", "secret", "token", "password", "credential", "session")
 
@@ -101,6 +104,17 @@ class Tier:
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                # Full is not misconfigured: a restart must still resume, and the start-up clearing of a
+                # crashed save's leftovers may be what frees the space. Saves name the full disk if it stays.
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(probe)
+                log.warning(
+                    "The %s checkpoint tier %s is full: resuming works, saving fails until space is freed",
+                    self.name,
+                    self.url,
+                )
+                return
             raise ConfigError(self._access_message("not writable", exc)) from exc
 
     def check_readable(self) -> None:

@@ -155,7 +155,10 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
         if tag == "bytes":
             return base64.b64decode(node["b64"])
         if tag == "dtype":
-            return getattr(torch, node["v"])
+            dtype = getattr(torch, str(node["v"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise CorruptCheckpointError(f"{where}: {node['v']!r} in the saved state is not a torch dtype")
+            return dtype
         if tag == "device":
             return torch.device(node["v"])
         if tag == "pickle":
@@ -167,7 +170,10 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
             return pickle.loads(base64.b64decode(node["b64"]))
         raise CorruptCheckpointError(f"{where}: unknown value tag {tag!r} in the saved state")
 
-    return decode(skeleton)
+    try:
+        return decode(skeleton)
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:  # a skeleton that no save could have written
+        raise CorruptCheckpointError(f"{where}: the saved state is malformed ({type(exc).__name__}: {exc})") from exc
 
 
 def _hashable(value: Any) -> Any:

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import IO, Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -39,17 +45,18 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_ranks(
+def start_ranks(
     script: str | Path,
     args: Sequence[str],
     world_size: int,
     *,
-    timeout: float = 120,
     env: dict[str, str] | None = None,
-) -> list[RankResult]:
-    """Start ``world_size`` processes of ``script`` as ranks of one gloo job and wait for all of them.
+    output_dir: Path | None = None,
+) -> list[subprocess.Popen[str]]:
+    """Start ``world_size`` processes of ``script`` as ranks of one gloo job, each in its own process group.
 
-    On timeout every rank is killed and the test fails with each rank's output, so a hang is never silent.
+    Output goes to a pipe, or with ``output_dir`` to ``rank-<R>.out`` files there: a supervisor that polls
+    instead of reading could otherwise block a chatty rank on a full pipe.
     """
     port = free_port()
     procs = []
@@ -63,27 +70,51 @@ def run_ranks(
             WORLD_SIZE=str(world_size),
             LOCAL_WORLD_SIZE=str(world_size),
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
+        with contextlib.ExitStack() as files:
+            sink: int | IO[str] = subprocess.PIPE
+            if output_dir is not None:
+                sink = files.enter_context(open(output_dir / f"rank-{rank}.out", "w"))  # the child keeps a copy
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), *args],
+                    env=rank_env,
+                    stdout=sink,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
             )
-        )
+    return procs
+
+
+def run_ranks(
+    script: str | Path,
+    args: Sequence[str],
+    world_size: int,
+    *,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> list[RankResult]:
+    """Run ``world_size`` ranks of ``script`` and wait for all of them.
+
+    On timeout every rank is killed and the test fails with each rank's output, so a hang is never silent.
+    """
+    procs = start_ranks(script, args, world_size, env=env)
     deadline = time.monotonic() + timeout
     results = []
-    for rank, proc in enumerate(procs):
-        try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                kill_tree(other)
-            outputs = "\n".join(f"--- rank {r}:\n{p.communicate()[0]}" for r, p in enumerate(procs))
-            raise AssertionError(f"ranks did not finish within {timeout}s\n{outputs}") from None
-        results.append(RankResult(rank, proc.returncode, out))
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    kill_tree(other)
+                outputs = "\n".join(f"--- rank {r}:\n{p.communicate()[0]}" for r, p in enumerate(procs))
+                raise AssertionError(f"ranks did not finish within {timeout}s\n{outputs}") from None
+            results.append(RankResult(rank, proc.returncode, out))
+    finally:
+        for proc in procs:
+            kill_tree(proc)
     return results
 
 
@@ -139,9 +170,176 @@ class MotoServer:
             self.proc = None
 
 
+def edit_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite a committed manifest in place, as a bug or someone with write access to the storage could."""
+    path = step_dir / "manifest.json"
+    body = json.loads(path.read_bytes())
+    edit(body)
+    path.write_text(json.dumps(body))
+
+
+def reseal(step_dir: Path, name: str) -> None:
+    """Make the manifest's size and checksum of ``name`` match its bytes now: a tamperer covering their tracks."""
+    from resilience.manifest import hash_bytes
+
+    data = (step_dir / name).read_bytes()
+
+    def match(body: dict[str, Any]) -> None:
+        entry = next(f for f in body["files"] if f["path"] == name)
+        entry["size"], entry["xxh3_64"] = len(data), hash_bytes(data)
+
+    edit_manifest(step_dir, match)
+
+
 S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
+
+
+@dataclass
+class _Fault:
+    kind: str
+    method: str
+    match: str
+    times: int
+    delay_s: float
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that misbehaves on chosen requests.
+
+    Object stores fail in ways a local moto server never does on its own: error and throttling responses,
+    slow or lost responses, an endpoint that goes away and comes back. The proxy forwards everything to the
+    real server except the next ``times`` requests that match a fault, and it can stop listening (connection
+    refused) and start again on the same port while the server behind it keeps its state.
+
+    Faults: ``"500"`` (InternalError), ``"503"`` (SlowDown, S3's throttling), ``"drop"`` (the connection closes
+    without a response), ``"slow"`` (wait ``delay_s`` before forwarding), ``"late"`` (forward, then wait
+    ``delay_s`` before answering: the request takes effect but its response may be lost to a client timeout).
+    """
+
+    _ERRORS = {
+        "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+        "503": (503, "SlowDown", "Please reduce your request rate."),
+    }
+
+    def __init__(self, upstream: str) -> None:
+        target = urlsplit(upstream)
+        self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._requests: list[tuple[str, str, str]] = []  # method, path, what happened
+        self._faults: list[_Fault] = []
+        self._lock = threading.Lock()
+        self._server: ThreadingHTTPServer | None = None
+
+    def inject(self, kind: str, *, method: str = "PUT", match: str = "", times: int = 1, delay_s: float = 0.0) -> None:
+        """Misbehave on the next ``times`` requests with ``method`` whose path contains ``match``."""
+        if kind not in (*self._ERRORS, "drop", "slow", "late"):
+            raise ValueError(f"unknown fault {kind!r}")
+        with self._lock:
+            self._faults.append(_Fault(kind, method, match, times, delay_s))
+
+    def injected(self) -> list[tuple[str, str, str]]:
+        with self._lock:
+            return [r for r in self._requests if r[2] != "forwarded"]
+
+    def _take(self, method: str, path: str) -> _Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault.times > 0 and fault.method == method and fault.match in path:
+                    fault.times -= 1
+                    self._requests.append((method, path, fault.kind))
+                    return fault
+            self._requests.append((method, path, "forwarded"))
+            return None
+
+    def start(self) -> FaultProxy:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                proxy._serve(self)
+
+            do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fault-proxy", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        """Stop listening: new connections are refused, as by a server that went away."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _serve(self, handler: BaseHTTPRequestHandler) -> None:
+        body = _read_body(handler)
+        fault = self._take(handler.command, handler.path)
+        handler.close_connection = True  # every request on a fresh connection, so stop() cuts off everyone
+        if fault is not None and fault.kind == "drop":
+            return
+        if fault is not None and fault.kind in self._ERRORS:
+            status, code, message = self._ERRORS[fault.kind]
+            payload = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+            handler.send_response(status)
+            handler.send_header("Content-Type", "application/xml")
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.send_header("Connection", "close")
+            handler.end_headers()
+            handler.wfile.write(payload)
+            return
+        if fault is not None and fault.kind == "slow":
+            time.sleep(fault.delay_s)
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
+            if body or handler.command in ("PUT", "POST"):
+                headers["Content-Length"] = str(len(body))
+            conn.request(handler.command, handler.path, body=body, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+            if fault is not None and fault.kind == "late":
+                time.sleep(fault.delay_s)
+            handler.send_response(response.status)
+            for name, value in response.getheaders():
+                if name.lower() not in _HOP_BY_HOP and (handler.command == "HEAD" or name.lower() != "content-length"):
+                    handler.send_header(name, value)
+            if handler.command != "HEAD":
+                handler.send_header("Content-Length", str(len(payload)))
+            handler.send_header("Connection", "close")
+            handler.end_headers()
+            if handler.command != "HEAD":
+                handler.wfile.write(payload)
+        except OSError:
+            pass  # the client gave up (timeout) or the upstream is gone: nothing left to answer
+        finally:
+            conn.close()
+
+
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        chunks = []
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return b"".join(chunks)
+            chunks.append(handler.rfile.read(size))
+            handler.rfile.readline()
+    length = int(handler.headers.get("Content-Length") or 0)
+    return handler.rfile.read(length) if length else b""

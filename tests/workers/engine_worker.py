@@ -10,22 +10,26 @@ import json
 import os
 import sys
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilience import CheckpointConfig, CheckpointError, CheckpointManager
+from resilience import CheckpointConfig, CheckpointError, CheckpointManager, Restored
 from resilience.pipeline import Pipeline
+
+# Multiplies the rows of the two big tensors: TEST_STATE_SCALE=256 makes a checkpoint of about 2.6 MB.
+SCALE = int(os.environ.get("TEST_STATE_SCALE", "1"))
 
 
 def expected(step: int) -> dict[str, torch.Tensor]:
     """The full (unsharded) values of the state saved at ``step``."""
     gen = torch.Generator().manual_seed(step)
     return {
-        "replicated": torch.randn(64, 32, generator=gen),
-        "sharded": torch.randn(40, 16, generator=gen),
+        "replicated": torch.randn(64 * SCALE, 32, generator=gen),
+        "sharded": torch.randn(40 * SCALE, 16, generator=gen),
         "small": torch.arange(10, dtype=torch.int64) + step,
     }
 
@@ -40,6 +44,25 @@ def state_for(step: int, mesh: object | None) -> dict[str, object]:
         "optim": {"state": {0: {"small": values["small"]}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
         "meta": {"step": step, "pair": (step, "x")},
     }
+
+
+def check_restored(restored: Restored, target: dict[str, Any], want: int, rank: int, mesh: object | None) -> None:
+    """Exactly the values saved at step ``want``, this rank's own per-rank state, DTensors filled in place."""
+    assert restored.step == want, (restored.step, want)
+    full = expected(want)
+    model = restored.state["model"]
+    assert torch.equal(model["replicated"], full["replicated"])
+    sharded = model["sharded"]
+    if mesh is not None:
+        assert sharded is target["model"]["sharded"], "DTensor target must be filled in place"
+        sharded = sharded.full_tensor()
+    assert torch.equal(sharded, full["sharded"])
+    assert torch.equal(restored.state["optim"]["state"][0]["small"], full["small"])
+    assert restored.state["meta"] == {"step": want, "pair": (want, "x")}
+    if rank < restored.manifest.world_size:
+        assert int(restored.rank_state["rank"]) == rank * 1000 + want, restored.rank_state
+    else:
+        assert restored.rank_state is None
 
 
 def config(args: list[str], **overrides: object) -> CheckpointConfig:
@@ -70,23 +93,8 @@ def main() -> None:
             target = state_for(0, mesh)  # same structure, wrong values: the load must overwrite them
             restored = manager.load(target)
             assert restored is not None, "nothing restored"
-            assert restored.step == want, (restored.step, want)
-            full = expected(want)
-            model = restored.state["model"]
-            assert torch.equal(model["replicated"], full["replicated"])
-            sharded = model["sharded"]
-            if mesh is not None:
-                assert sharded is target["model"]["sharded"], "DTensor target must be filled in place"
-                sharded = sharded.full_tensor()
-            assert torch.equal(sharded, full["sharded"])
-            assert torch.equal(restored.state["optim"]["state"][0]["small"], full["small"])
-            assert restored.state["meta"] == {"step": want, "pair": (want, "x")}
-            saved_world = restored.manifest.world_size
-            if rank < saved_world:
-                assert int(restored.rank_state["rank"]) == rank * 1000 + want, restored.rank_state
-            else:
-                assert restored.rank_state is None
-        print("LOADED", restored.step, restored.tier, saved_world)
+            check_restored(restored, target, want, rank, mesh)
+        print("LOADED", restored.step, restored.tier, restored.manifest.world_size)
 
     elif scenario == "busy":
         # Rank 1's writer is slow; the skip decision must still be the same on both ranks.
