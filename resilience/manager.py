@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog
 from resilience.config import CheckpointConfig
-from resilience.dist import Groups
+from resilience.dist import Groups, share_of_replicated
 from resilience.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -127,7 +127,7 @@ class CheckpointManager:
         leader = self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_host())
         if leader:
             for entry in catalog.scan(self.local):
-                if not entry.committed and entry.manifest is None and entry.problem == "not committed (no manifest)":
+                if entry.problem == catalog.NOT_COMMITTED:
                     log.info("removing uncommitted leftover %s", entry.where())
                     self.local.remove_dir(entry.path)
         self.groups.control.barrier()
@@ -198,7 +198,8 @@ class CheckpointManager:
         self.wait_for_staging()
         flat = flatten(state)
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
-        tensors = {**flat.tensors, **(rank_flat.tensors if rank_flat else {})}
+        shared = share_of_replicated(flat.tensors, self.rank, self.world_size)
+        tensors = {**shared, **(rank_flat.tensors if rank_flat else {})}
         staging = self._stager.stage(tensors, asynchronous=self.config.async_staging)
         handle = SaveHandle(step, durable=self.durable is not None)
         block_s = time.monotonic() - t0
@@ -232,9 +233,6 @@ class CheckpointManager:
 
     def wait_for_staging(self) -> None:
         """With ``async_staging``: return once the state may be changed again (call before ``optimizer.step()``)."""
-        for hook in self._barrier_hooks:
-            hook.remove()
-        self._barrier_hooks = []
         if self._staging is not None:
             t0 = time.monotonic()
             self._staging.release_source()
@@ -244,15 +242,42 @@ class CheckpointManager:
     def _arm_staging_barrier(self) -> None:
         """Make the next state change wait for the pending copy, without the caller having to remember.
 
-        The hooks are global and exist only while a copy is pending, so they cost nothing between saves.
+        The hooks are global; they are put in place with the copy and removed at the next save or at close (not
+        from inside a hook, while torch walks its hook table), and do nothing once the copy is done. A step given
+        a closure (Lightning's, LBFGS) runs forward and backward inside ``optimizer.step``: the wait then goes
+        after the closure, just before the update, so the copy still overlaps them.
         """
+        self._disarm_staging_barrier()
 
-        def barrier(*_: Any) -> None:
+        def before_forward(*_: Any) -> None:
             self.wait_for_staging()
 
+        def before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._staging is None:
+                return None
+            # args are step()'s own: (optimizer, closure?)
+            closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+            if closure is None:
+                self.wait_for_staging()
+                return None
+
+            def closure_then_wait() -> Any:
+                result = closure()
+                self.wait_for_staging()
+                return result
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_wait}
+            return (args[0], closure_then_wait, *args[2:]), kwargs
+
         if self.config.staging_barrier == "forward":
-            self._barrier_hooks.append(register_module_forward_pre_hook(barrier))
-        self._barrier_hooks.append(register_optimizer_step_pre_hook(barrier))
+            self._barrier_hooks.append(register_module_forward_pre_hook(before_forward))
+        self._barrier_hooks.append(register_optimizer_step_pre_hook(before_step))
+
+    def _disarm_staging_barrier(self) -> None:
+        for hook in self._barrier_hooks:
+            hook.remove()
+        self._barrier_hooks = []
 
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> bool:
         """Wait until the last save is committed locally (and durably with ``durable``); raise its error."""
@@ -313,18 +338,18 @@ class CheckpointManager:
         )
 
     def _choose(self, step: int | None) -> catalog.Entry | None:
-        found: list[tuple[str, int, str, Any]] = []
+        found: list[tuple[str, int, str, Any, str | None]] = []
         if self.rank == 0:
             found = [
-                (e.tier.name, e.step, e.path, e.manifest)
-                for e in catalog.candidates([self.local, self.durable])
+                (e.tier.name, e.step, e.path, e.manifest, e.problem)
+                for e in catalog.candidates([self.local, self.durable], invalid=True)
                 if step is None or e.step == step
             ]
         # Rank 0 lists once; every rank verifies a share of the files, so a full check scales with ranks.
         tiers = {"local": self.local, "durable": self.durable}
         entries = [
-            catalog.Entry(s, tier, path, manifest)
-            for name, s, path, manifest in self.groups.control.broadcast(found)
+            catalog.Entry(s, tier, path, manifest, problem)
+            for name, s, path, manifest, problem in self.groups.control.broadcast(found)
             if (tier := tiers[name]) is not None
         ]
         share = (self.rank, self.world_size)
@@ -391,6 +416,7 @@ class CheckpointManager:
             return
         self._closed = True
         self.wait_for_staging()
+        self._disarm_staging_barrier()
         finished = self.pipeline.close(timeout)
         self._stager.close()
         # The gloo groups stay until the job's own destroy_process_group(): destroying them here could tear

@@ -260,20 +260,35 @@ def test_tampered_dcp_metadata_is_refused_before_unpickling(tmp_path: Path) -> N
         assert m.load() is None
 
 
-@pytest.mark.parametrize("barrier", ["optimizer_step", "forward"])
-def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, barrier: str) -> None:
+@pytest.mark.parametrize(
+    ("barrier", "closure"), [("optimizer_step", False), ("optimizer_step", True), ("forward", False)]
+)
+def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, barrier: str, closure: bool) -> None:
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     saved = {k: v.clone() for k, v in model.state_dict().items()}
+    pending_in_closure: list[bool] = []
     with manager(tmp_path, async_staging=True, staging_barrier=barrier) as m:
         m.save(1, {"model": model.state_dict()})
         assert m._staging is not None and m._barrier_hooks, "a pending copy arms the barrier"
-        model(torch.ones(2, 64)).sum().backward()
-        if barrier == "forward":
-            assert m._staging is None, "the forward must have waited for the copy"
-        optimizer.step()  # without calling wait_for_staging(): the hook does it
-        assert m._staging is None and not m._barrier_hooks, "the barrier is disarmed once the copy is done"
+
+        def forward_backward() -> torch.Tensor:
+            pending_in_closure.append(m._staging is not None)
+            loss = model(torch.ones(2, 64)).sum()
+            loss.backward()
+            return loss
+
+        if closure:  # Lightning's way: forward and backward run inside step(); the copy overlaps them
+            optimizer.step(forward_backward)
+            assert pending_in_closure == [True], "the wait must come after the closure, not before it"
+        else:
+            forward_backward()
+            if barrier == "forward":
+                assert m._staging is None, "the forward must have waited for the copy"
+            optimizer.step()  # without calling wait_for_staging(): the hook does it
+        assert m._staging is None, "the update waited for the copy"
         m.wait()
+    assert not m._barrier_hooks, "closing removes the hooks"
     with manager(tmp_path) as m:
         restored = m.load()
     assert restored is not None

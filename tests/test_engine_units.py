@@ -179,3 +179,15 @@ def test_redact_masks_credentials() -> None:
         "client_kwargs": {"aws_session_token": "***"},
     }
     assert "AKIA" not in repr(Tier("durable", "memory://b/x", {"key": "AKIA"}))
+
+
+def test_replicated_tensors_are_dealt_out_and_dtensor_shards_stay() -> None:
+    from resilience.dist import share_of_replicated
+
+    sizes = [100, 60, 50, 40, 10]
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    shares = [share_of_replicated(tensors, rank, 2) for rank in range(2)]
+    assert sorted([*shares[0], *shares[1]]) == sorted(tensors), "every tensor is written by exactly one rank"
+    assert not set(shares[0]) & set(shares[1])
+    assert [sum(t.numel() for t in share.values()) for share in shares] == [140, 120]  # greedy: 100+40 / 60+50+10
+    assert share_of_replicated(tensors, 0, 1) == tensors
