@@ -1,7 +1,7 @@
 """The plain-Trainer way: the pack added to a Trainer you already have.
 
-    python examples/lightning_trainer.py                 # 2 CPU ranks; kill it any time, run it again
-    RESILIENCE_INJECT="signal=SIGTERM@step=30" python examples/lightning_trainer.py   # a preemption drill
+python examples/lightning_trainer.py                 # 2 CPU ranks; kill it any time, run it again
+RESILIENCE_INJECT="signal=SIGTERM@step=30" python examples/lightning_trainer.py   # a preemption drill
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.demo_model import DemoData, DemoModel  # noqa: E402
-from lightning_resilience import (  # noqa: E402
+from examples.demo_model import DemoData, DemoModel
+from lightning_resilience import (
     AutoResume,
     GoodputMonitor,
     HealthGuardCallback,
