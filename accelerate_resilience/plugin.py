@@ -110,7 +110,8 @@ class ResiliencePlugin:
             before that step; turn it off for those. Default: true.
         when_busy: ``"wait"`` for the previous save, or ``"skip"`` this one while it is still being written.
         on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` trains on with the local tier.
-        verify: What a resume checks before trusting a checkpoint: ``"size"`` or ``"full"`` (all checksums).
+        verify: What a resume checks before trusting a checkpoint: ``"auto"`` (every checksum from the local
+            tier, sizes from the durable one), ``"size"`` or ``"full"`` (all checksums).
         allow_pickle: Load state values that could only be stored as pickles (they run code when loaded).
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
             fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
@@ -137,7 +138,7 @@ class ResiliencePlugin:
     async_staging: bool | None = field(default=None, metadata=_env(True, _boolean))
     when_busy: str | None = field(default=None, metadata=_env("wait", _text))
     on_upload_error: str | None = field(default=None, metadata=_env("raise", _text))
-    verify: str | None = field(default=None, metadata=_env("size", _text))
+    verify: str | None = field(default=None, metadata=_env("auto", _text))
     allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
     health: bool | None = field(default=None, metadata=_env(False, _boolean))
     mtbf_hours: float | None = field(default=None, metadata=_env(None, _number))

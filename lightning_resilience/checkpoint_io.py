@@ -44,7 +44,8 @@ class ResilientCheckpointIO(CheckpointIO):
         keep_every: Also keep every checkpoint whose global step is a multiple of this.
         async_staging: Copy to host memory in the background; waits just before the next optimizer step.
         when_busy: ``"wait"`` for, or ``"skip"`` a save due while the previous is still being written.
-        verify: What resume checks before trusting a checkpoint: ``"size"`` or ``"full"`` (checksums).
+        verify: What resume checks before trusting a checkpoint: ``"auto"`` (checksums of every file from the
+            local tier, sizes from the durable one), ``"size"`` or ``"full"``.
         fsync: Flush files before the local commit.
         upload_concurrency: Files uploaded at once per rank.
         upload_retries: Retries per file (exponential backoff) before the upload fails.
@@ -62,7 +63,7 @@ class ResilientCheckpointIO(CheckpointIO):
         keep_every: int | None = None,
         async_staging: bool = False,
         when_busy: WhenBusy = "wait",
-        verify: VerifyLevel = "size",
+        verify: VerifyLevel = "auto",
         fsync: bool = True,
         upload_concurrency: int = 8,
         upload_retries: int = 5,

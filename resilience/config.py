@@ -9,7 +9,7 @@ from typing import Any, Literal
 from resilience.errors import ConfigError
 
 WhenBusy = Literal["wait", "skip"]
-VerifyLevel = Literal["size", "full"]
+VerifyLevel = Literal["auto", "size", "full"]
 OnUploadError = Literal["raise", "warn"]
 StagingBarrier = Literal["optimizer_step", "forward"]
 
@@ -45,7 +45,9 @@ class CheckpointConfig:
         on_upload_error: ``"raise"`` stops training at the next save with the upload's error; ``"warn"`` keeps
             training on the local tier and logs the error.
         verify: What discovery checks before it trusts a checkpoint: ``"size"`` (every file present with its
-            size, and checksums of the small pickled/JSON files) or ``"full"`` (checksums of every file).
+            size, and checksums of the small pickled/JSON files), ``"full"`` (checksums of every file), or
+            ``"auto"``: full from the local tier (a flipped bit in a shard would otherwise load as a wrong
+            number) and sizes from the durable one (where a full check would download every shard twice).
         allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from
             storage runs code when loaded.
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
@@ -67,7 +69,7 @@ class CheckpointConfig:
     upload_retries: int = 5
     upload_backoff_s: float = 0.5
     on_upload_error: OnUploadError = "raise"
-    verify: VerifyLevel = "size"
+    verify: VerifyLevel = "auto"
     allow_pickle: bool = False
     collective_timeout_s: float = 600.0
     local_shared: bool | None = None
@@ -84,7 +86,7 @@ class CheckpointConfig:
         if self.keep_every is not None and self.keep_every < 1:
             raise ConfigError(f"keep_every={self.keep_every}: use a positive step count, or None for no milestones")
         _check_choice("when_busy", self.when_busy, ("wait", "skip"))
-        _check_choice("verify", self.verify, ("size", "full"))
+        _check_choice("verify", self.verify, ("auto", "size", "full"))
         _check_choice("staging_barrier", self.staging_barrier, ("optimizer_step", "forward"))
         _check_choice("on_upload_error", self.on_upload_error, ("raise", "warn"))
         for name in ("write_threads", "upload_concurrency"):

@@ -207,16 +207,18 @@ class _VerifiedReader(FileSystemReader):
         return self._metadata
 
 
-def load_entry(
-    entry: Entry,
-    target: Any,
-    *,
-    rank: int,
-    group: dist.ProcessGroup | None,
-    allow_pickle: bool,
-    want_rank_state: bool = True,
-) -> Restored:
-    """Load ``entry`` (every rank calls this together when distributed)."""
+@dataclass
+class LoadPlan:
+    """What one rank will read: checked metadata and state files, and the tensors DCP fills."""
+
+    metadata: Metadata
+    skeleton: Any
+    rank_skeleton: Any
+    tensors: dict[str, torch.Tensor]
+
+
+def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True) -> LoadPlan:
+    """Read and check everything small, and allocate what the target does not provide; no collectives."""
     assert entry.manifest is not None
     metadata = load_dcp_metadata(entry)
     skeleton = load_skeleton(entry, STATE_FILE)
@@ -242,10 +244,16 @@ def load_entry(
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"{entry.where()}: no tensor {key!r} in DCP metadata", step=entry.step)
         tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return LoadPlan(metadata, skeleton, rank_skeleton, tensors)
+
+
+def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool) -> Restored:
+    """Read the shards (collective when distributed) and rebuild the trees."""
+    assert entry.manifest is not None
     try:
         dcp.load(
-            tensors,
-            storage_reader=_VerifiedReader(entry, metadata),
+            plan.tensors,
+            storage_reader=_VerifiedReader(entry, plan.metadata),
             process_group=group,
             no_dist=group is None,
         )
@@ -254,8 +262,8 @@ def load_entry(
             raise
         raise CheckpointError(f"Reading {entry.where()} failed: {exc}", step=entry.step, tier=entry.tier.name) from exc
     where = entry.where()
-    state = unflatten(skeleton, tensors, allow_pickle=allow_pickle, where=where)
-    rank_state = (
-        unflatten(rank_skeleton, tensors, allow_pickle=allow_pickle, where=where) if rank_skeleton is not None else None
-    )
+    state = unflatten(plan.skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
+    rank_state = None
+    if plan.rank_skeleton is not None:
+        rank_state = unflatten(plan.rank_skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
     return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))

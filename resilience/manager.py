@@ -17,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -32,8 +32,9 @@ from resilience.errors import (
     ConfigError,
     CorruptCheckpointError,
     NoCheckpointError,
+    ResilienceError,
 )
-from resilience.loader import Restored, load_entry, rank_prefix
+from resilience.loader import Restored, plan_load, rank_prefix, run_load
 from resilience.manifest import MANIFEST_NAME
 from resilience.pipeline import Listener, Pipeline, SaveHandle, WriteJob, remove_checkpoint
 from resilience.staging import HostStager, StagingJob
@@ -41,6 +42,7 @@ from resilience.storage import Tier
 from resilience.tree import flatten
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -328,14 +330,29 @@ class CheckpointManager:
                     f"{' or ' + self.durable.url if self.durable else ''}: run `resilience ls` to see what exists"
                 )
             return None
-        return load_entry(
-            entry,
-            target,
-            rank=self.rank,
-            group=self.groups.control.group,
-            allow_pickle=self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1",
-            want_rank_state=rank_state,
-        )
+        allow_pickle = self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1"
+        # A problem on one rank (say, its own state file) must stop every rank, not leave the others waiting
+        # in the collective read: each phase ends with the ranks agreeing on its outcome.
+        plan = self._together(lambda: plan_load(entry, target, rank=self.rank, want_rank_state=rank_state))
+        return self._together(lambda: run_load(entry, plan, group=self.groups.control.group, allow_pickle=allow_pickle))
+
+    def _together(self, phase: Callable[[], T]) -> T:
+        """Run ``phase`` on every rank; if it failed anywhere, raise everywhere (this rank's own error first)."""
+        result: T | None = None
+        error: ResilienceError | None = None
+        try:
+            result = phase()
+        except ResilienceError as exc:
+            error = exc
+        failures = [
+            (r, text) for r, text in enumerate(self.groups.control.all_gather(str(error) if error else None)) if text
+        ]
+        if error is not None:
+            raise error
+        if failures:
+            rank, text = failures[0]
+            raise CheckpointError(f"Loading failed on rank {rank}: {text}")
+        return result  # type: ignore[return-value]
 
     def _choose(self, step: int | None) -> catalog.Entry | None:
         found: list[tuple[str, int, str, Any, str | None]] = []
@@ -359,7 +376,8 @@ class CheckpointManager:
         problem: str | None = None
         corrupt = False
         try:
-            catalog.verify(entry, full=self.config.verify == "full", share=share)
+            full = self.config.verify == "full" or (self.config.verify == "auto" and entry.tier.name == "local")
+            catalog.verify(entry, full=full, share=share)
         except CorruptCheckpointError as exc:
             problem, corrupt = str(exc), True
         except Exception as exc:

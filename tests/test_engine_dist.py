@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from resilience.manifest import Manifest
-from tests.helpers import WORKERS, check_ranks, run_ranks
+from tests.helpers import WORKERS, check_ranks, reseal, run_ranks
 
 WORKER = WORKERS / "engine_worker.py"
 
@@ -57,6 +57,17 @@ def test_failure_on_one_rank_raises_on_all_and_commits_nothing(tmp_path: Path) -
     for out in outputs:
         assert "RAISED" in out and "No space left on device" in out and "step=1" in out
     assert not (tmp_path / "step-1" / "manifest.json").exists()
+
+
+def test_a_bad_state_file_of_one_rank_stops_every_rank_with_the_reason(tmp_path: Path) -> None:
+    """Rank 1's own state file is malformed (its checksum resealed): no rank may be left waiting in the read."""
+    run("save", tmp_path, 2, env={"TEST_STEPS": "1"})
+    step_dir = tmp_path / "step-1"
+    (step_dir / "rank-1.json").write_text('{"rank": {"$t": "no-such-tag"}}')
+    reseal(step_dir, "rank-1.json")
+    outputs = run("load_fails", tmp_path, 2)
+    assert "RAISED" in outputs[1] and "no-such-tag" in outputs[1]
+    assert "RAISED Loading failed on rank 1" in outputs[0] and "no-such-tag" in outputs[0]
 
 
 def test_two_ranks_upload_to_s3_and_reload_from_the_url(tmp_path: Path, s3: dict[str, object]) -> None:

@@ -49,6 +49,7 @@ def set_file_field(name: str, field: str, value: Callable[[Any], Any]) -> Callab
 
 CORRUPTIONS: dict[str, tuple[str, Callable[[Path], None]]] = {
     "shard byte flipped": ("full", lambda d: flip_byte(shard(d))),
+    "shard byte flipped, default level": ("auto", lambda d: flip_byte(shard(d))),
     "shard truncated": ("size", lambda d: truncate(shard(d))),
     "shard deleted": ("size", lambda d: shard(d).unlink()),
     "dcp metadata deleted": ("size", lambda d: (d / ".metadata").unlink()),
