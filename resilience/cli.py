@@ -104,6 +104,62 @@ def cmd_report(args: argparse.Namespace) -> int:
     return run_report(args.run_dir, as_json=args.json, plot=args.plot)
 
 
+def cmd_upload(args: argparse.Namespace) -> int:
+    """Upload committed local checkpoints the durable tier lacks (e.g. when a crash cut an upload short)."""
+    from resilience.manifest import MANIFEST_NAME
+    from resilience.transfer import RetryPolicy, commit_durable, upload_files
+
+    local = Tier("local", args.root)
+    durable = Tier("durable", args.url, _storage_options(args.storage_option))
+    durable.check_writable()
+    there = {e.step for e in catalog.scan(durable) if e.committed}
+    todo = [
+        e
+        for e in catalog.scan(local)
+        if e.manifest is not None
+        and e.manifest.is_global
+        and e.step not in there
+        and (args.step is None or e.step == args.step)
+    ]
+    if args.step is not None and not todo:
+        state = "is already committed there" if args.step in there else "is not a committed checkpoint here"
+        print(f"step {args.step} {state}")
+        return 0 if args.step in there else 1
+    for entry in sorted(todo, key=lambda e: e.step):
+        assert entry.manifest is not None
+        catalog.verify(entry, full=True)  # never spread a corrupt checkpoint to the durable tier
+        total = entry.manifest.total_bytes
+        on_bytes = _counter(total, _progress_printer(f"upload {entry.where()}") if args.progress else None)
+        upload_files(
+            local,
+            durable,
+            entry.step,
+            entry.manifest.files,
+            concurrency=args.concurrency,
+            policy=RetryPolicy(args.retries),
+            on_bytes=on_bytes,
+        )
+        commit_durable(
+            durable, entry.step, local.read_bytes(f"{entry.path}/{MANIFEST_NAME}"), RetryPolicy(args.retries)
+        )
+        print(f"OK   step {entry.step} committed in {durable.display(durable.step_path(entry.step))}: {_size(total)}")
+    if not todo:
+        print(f"nothing to upload: every committed checkpoint under {local.url} is already in {durable.url}")
+    return 0
+
+
+def _counter(total: int, show: Callable[[int, int], None] | None) -> Callable[[int], None]:
+    done = 0
+
+    def count(delta: int) -> None:
+        nonlocal done
+        done += delta
+        if show is not None:
+            show(done, total)
+
+    return count
+
+
 def _progress_printer(label: str) -> Callable[[int, int], None]:
     last = [0.0]
 
@@ -155,6 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--quick", action="store_true", help="sizes only for shards (checksums of small files)")
     verify.add_argument("--progress", action="store_true", help="show checksum progress on stderr")
     verify.set_defaults(func=cmd_verify)
+
+    upload = sub.add_parser("upload", help="upload committed local checkpoints the durable URL lacks, manifest last")
+    upload.add_argument("root", metavar="ROOT", help="local checkpoint directory")
+    upload.add_argument("url", metavar="URL", help="durable fsspec URL, e.g. s3://bucket/run")
+    upload.add_argument("--step", type=int, help="only this step")
+    upload.add_argument("--concurrency", type=int, default=8, help="files in flight at once")
+    upload.add_argument("--retries", type=int, default=5, help="retries per file, with exponential backoff")
+    upload.add_argument("--progress", action="store_true", help="show bytes sent on stderr")
+    upload.add_argument(
+        "--storage-option", action="append", default=[], metavar="NAME=VALUE", help="fsspec option for URL"
+    )
+    upload.set_defaults(func=cmd_upload)
 
     report = sub.add_parser("report", help="goodput of a run: where its wall time went, across restarts")
     report.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding goodput/ (or that folder itself)")

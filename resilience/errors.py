@@ -49,3 +49,14 @@ class CorruptCheckpointError(CheckpointError):
 
 class NoCheckpointError(ResilienceError, FileNotFoundError):
     """No committed checkpoint that verifies was found where one was asked for."""
+
+
+def describe(exc: BaseException, rank: int | None = None) -> str:
+    """One line naming the root cause and the rank it happened on (DCP wraps per-rank failures)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failed_rank, (inner, _) = next(iter(failures.items()))
+        return describe(inner, failed_rank)
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
+    return line if rank is None else f"{line} (on rank {rank})"

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +27,13 @@ from resilience import __version__
 from resilience.catalog import scan
 from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
-from resilience.errors import CheckpointError
+from resilience.errors import CheckpointError, describe
 from resilience.loader import DCP_METADATA, STATE_FILE, rank_state_file
 from resilience.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_stream
 from resilience.retention import steps_to_delete
 from resilience.staging import StagingJob
 from resilience.storage import Tier, fsync_dir
+from resilience.transfer import OnRetry, RetryPolicy, commit_durable, upload_files
 
 log = logging.getLogger(__name__)
 Listener = Callable[[dict[str, Any]], None]
@@ -177,6 +176,7 @@ class Pipeline:
         self.is_local_leader = self.rank == 0 if local_shared else self.rank == min(topology.ranks_on_my_host())
         self.listeners = listeners
         self._on_committed = committed
+        self._policy = RetryPolicy(config.upload_retries, config.upload_backoff_s)
         self._protected_steps = protected_steps
         self.errors: list[CheckpointError] = []
         self._errors_lock = threading.Lock()
@@ -272,12 +272,12 @@ class Pipeline:
                 entries.append(FileEntry(name, size, digest, self.rank, kind))
             timings["hash_s"] = time.monotonic() - t0
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
-            error = _describe(exc, self.rank) + _space_hint(local_dir, job.staging.nbytes)
+            error = describe(exc, self.rank) + _space_hint(local_dir, job.staging.nbytes)
             log.debug("write of step %s failed on rank %s:\n%s", step, self.rank, traceback.format_exc())
         try:
             gathered = self.writer_channel.all_gather((entries, error, timings))
         except Exception as exc:
-            self._broken = f"the checkpoint group broke while saving step {step}: {_describe(exc)}"
+            self._broken = f"the checkpoint group broke while saving step {step}: {describe(exc)}"
             self._fail_local(job, CheckpointError(self._broken, step=step, tier="local"))
             return
         failures = [err for _, err, _ in gathered if err]
@@ -306,11 +306,11 @@ class Pipeline:
             try:
                 self._commit_local(local_dir, manifest)
             except Exception as exc:
-                commit_error = _describe(exc)
+                commit_error = describe(exc)
         try:
             commit_errors = [e for e in self.writer_channel.all_gather(commit_error) if e]
         except Exception as exc:
-            self._broken = f"the checkpoint group broke while committing step {step}: {_describe(exc)}"
+            self._broken = f"the checkpoint group broke while committing step {step}: {describe(exc)}"
             commit_errors = [self._broken]
         if commit_errors:
             self._fail_local(
@@ -381,7 +381,7 @@ class Pipeline:
                     # Upload the newest checkpoint every rank has ready; older queued ones are superseded.
                     pick = -self.upload_channel.max([-newest])[0]
                 except Exception as exc:
-                    self._upload_broken = f"the upload group broke: {_describe(exc)}"
+                    self._upload_broken = f"the upload group broke: {describe(exc)}"
                     pick = newest
             else:
                 pick = newest
@@ -412,7 +412,7 @@ class Pipeline:
         try:
             self._upload_files(step, mine)
         except Exception as exc:
-            error = _describe(exc, self.rank)
+            error = describe(exc, self.rank)
         try:
             failures = [e for e in self.upload_channel.all_gather(error) if e]
             commit_error = None
@@ -424,13 +424,13 @@ class Pipeline:
                     }
                 )
                 try:
-                    self._commit_durable(step, manifest.to_json())
+                    commit_durable(self.durable, step, manifest.to_json(), self._policy, self._on_retry(step))
                 except Exception as exc:
-                    commit_error = _describe(exc)
+                    commit_error = describe(exc)
             if not failures:
                 commit_error = self.upload_channel.broadcast(commit_error)
         except Exception as exc:
-            self._upload_broken = f"the upload group broke while uploading step {step}: {_describe(exc)}"
+            self._upload_broken = f"the upload group broke while uploading step {step}: {describe(exc)}"
             self._fail_durable(job, CheckpointError(self._upload_broken, step=step, tier="durable"))
             return
         if failures:
@@ -459,54 +459,21 @@ class Pipeline:
 
     def _upload_files(self, step: int, entries: list[FileEntry]) -> None:
         assert self.durable is not None
-        durable = self.durable
+        upload_files(
+            self.local,
+            self.durable,
+            step,
+            entries,
+            concurrency=self.config.upload_concurrency,
+            policy=self._policy,
+            on_retry=self._on_retry(step),
+        )
 
-        def put(entry: FileEntry) -> None:
-            source = self.local.step_path(step, entry.path)
-            self._retrying(step, entry.path, lambda: durable.put_file(source, durable.step_path(step, entry.path)))
+    def _on_retry(self, step: int) -> OnRetry:
+        def emit(name: str, attempt: int, exc: BaseException) -> None:
+            self._emit("upload_retry", step, file=name, attempt=attempt, error=describe(exc))
 
-        with ThreadPoolExecutor(self.config.upload_concurrency, thread_name_prefix="resilience-put") as pool:
-            for future in [pool.submit(put, entry) for entry in entries]:
-                future.result()
-
-    def _commit_durable(self, step: int, data: bytes) -> None:
-        """Write the durable manifest once, retried like the files: a store's error or throttling response to
-        this one small PUT must not cost the commit of everything uploaded before it."""
-        assert self.durable is not None
-        durable = self.durable
-        path = durable.step_path(step, MANIFEST_NAME)
-
-        def write() -> None:
-            try:
-                durable.write_exclusive(path, data)
-            except FileExistsError:
-                # An earlier attempt (ours, or the client library's after a timeout) landed but its response
-                # was lost. The manifest holds this upload's own timings, so equal bytes mean it is ours.
-                if durable.read_bytes(path) != data:
-                    raise
-
-        self._retrying(step, MANIFEST_NAME, write)
-
-    def _retrying(self, step: int, name: str, action: Callable[[], None]) -> None:
-        """Run one transfer with exponential backoff and jitter; errors that a retry cannot fix end it at once."""
-        attempt = 0
-        while True:
-            try:
-                action()
-                return
-            except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
-                raise
-            except Exception as exc:
-                attempt += 1
-                if attempt > self.config.upload_retries:
-                    raise OSError(f"{name}: gave up after {attempt} attempts ({_describe(exc)})") from exc
-                delay = min(30.0, self.config.upload_backoff_s * 2 ** (attempt - 1))
-                delay *= random.uniform(0.5, 1.0)
-                log.warning(
-                    "upload of %s (step %s) failed (%s); retry %d in %.1fs", name, step, _describe(exc), attempt, delay
-                )
-                self._emit("upload_retry", step, file=name, attempt=attempt, error=_describe(exc))
-                time.sleep(delay)
+        return emit
 
     def _fail_durable(self, job: UploadJob, error: CheckpointError) -> None:
         # recorded before the handle wakes its waiter, so the next save() is sure to see it
@@ -535,7 +502,7 @@ class Pipeline:
                 remove_checkpoint(tier, paths[step])
                 self._emit("deleted", step, tier=tier.name)
         except Exception as exc:  # retention must never fail a save
-            log.warning("retention in the %s tier failed: %s", tier.name, _describe(exc))
+            log.warning("retention in the %s tier failed: %s", tier.name, describe(exc))
 
     def _record(self, error: CheckpointError) -> None:
         log.error("%s", error)
@@ -568,14 +535,3 @@ def _space_hint(directory: str, need: int) -> str:
     if free >= need:
         return ""
     return f"; only {free} bytes are free under {directory}, less than the {need} bytes to write: the disk is full"
-
-
-def _describe(exc: BaseException, rank: int | None = None) -> str:
-    """One line naming the root cause and the rank it happened on (DCP wraps per-rank failures)."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        failed_rank, (inner, _) = next(iter(failures.items()))
-        return _describe(inner, failed_rank)
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
-    return line if rank is None else f"{line} (on rank {rank})"

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 import fsspec
+from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
@@ -184,10 +185,11 @@ class Tier:
         else:
             self.fs.pipe_file(path, data, mode="create")
 
-    def put_file(self, local_path: str, path: str) -> None:
+    def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
+        """Copy a local file here; ``callback`` (fsspec's) hears of the bytes as they go, where the backend tells."""
         if self.is_local:  # object stores have no directories; a local destination needs its parent
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        self.fs.put_file(local_path, path)
+        self.fs.put_file(local_path, path, callback=callback or DEFAULT_CALLBACK)
 
     def remove_dir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):

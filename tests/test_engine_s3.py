@@ -54,10 +54,10 @@ def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
     gate = threading.Event()
     original = Tier.put_file
 
-    def slow_put(self: Tier, local_path: str, path: str) -> None:
+    def slow_put(self: Tier, local_path: str, path: str, callback: object = None) -> None:
         if "step-1/" in path:
             gate.wait(30)
-        original(self, local_path, path)
+        original(self, local_path, path, callback)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Tier, "put_file", slow_put)
     events: list[dict[str, object]] = []
@@ -144,3 +144,32 @@ def test_server_killed_mid_upload_keeps_the_local_commit(
     finally:
         server.stop()
     assert (tmp_path / "step-2" / "manifest.json").exists(), "the local commit must stay"
+
+
+def test_cli_upload_commits_what_the_durable_tier_lacks(
+    tmp_path: Path, s3: dict[str, object], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from resilience.cli import main as cli
+
+    with CheckpointManager(CheckpointConfig(tmp_path / "local", keep_last=3)) as m:  # no durable tier yet
+        for step in (1, 2):
+            m.save(step, make_state(step))
+    endpoint = f"endpoint_url={s3['options']['endpoint_url']}"  # type: ignore[index]
+    assert cli(["upload", str(tmp_path / "local"), str(s3["url"]), "--storage-option", endpoint, "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert "OK   step 1 committed" in out and "OK   step 2 committed" in out and "100.0%" in err
+    assert cli(["upload", str(tmp_path / "local"), str(s3["url"]), "--storage-option", endpoint]) == 0
+    assert "nothing to upload" in capsys.readouterr().out
+    with manager(tmp_path / "fresh-node", s3) as m:
+        restored = m.load()
+    assert restored is not None and restored.tier == "durable" and restored.step == 2
+    assert torch.equal(restored.state["model"]["w"], make_state(2)["model"]["w"])
+    with CheckpointManager(CheckpointConfig(tmp_path / "local", keep_last=3)) as m:
+        m.save(3, make_state(3))
+    shard = next((tmp_path / "local" / "step-3").glob("__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli(["upload", str(tmp_path / "local"), str(s3["url"]), "--storage-option", endpoint]) == 2
+    assert "checksum" in capsys.readouterr().err
+    assert not s3["fs"].exists("ckpt-bucket/run/step-3/manifest.json")  # type: ignore[attr-defined]

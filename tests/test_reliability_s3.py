@@ -89,8 +89,8 @@ def test_endpoint_gone_mid_upload_leaves_no_remote_commit_and_keeps_the_local_on
     s3, proxy = proxied
     original = Tier.put_file
 
-    def put_then_lose_the_endpoint(self: Tier, local_path: str, path: str) -> None:
-        original(self, local_path, path)
+    def put_then_lose_the_endpoint(self: Tier, local_path: str, path: str, callback: object = None) -> None:
+        original(self, local_path, path, callback)  # type: ignore[arg-type]
         if "/step-2/" in path:
             proxy.stop()  # connection refused from now on: the first file of step 2 made it, the rest do not
 
