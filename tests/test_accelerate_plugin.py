@@ -117,7 +117,7 @@ def test_bad_environment_values_name_the_variable(
 
 
 def test_bad_arguments_are_rejected_when_made() -> None:
-    with pytest.raises(ConfigError, match=r"verify='quick' is not one of 'size', 'full'$"):
+    with pytest.raises(ConfigError, match=r"verify='quick' is not one of 'auto', 'size', 'full'$"):
         ResiliencePlugin(local_dir="ckpt", verify="quick")
     with pytest.raises(ConfigError, match="storage_options must be a dict"):
         ResiliencePlugin(local_dir="ckpt", storage_options="endpoint=x")  # type: ignore[arg-type]
