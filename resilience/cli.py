@@ -13,8 +13,6 @@ from resilience import catalog
 from resilience.errors import ResilienceError
 from resilience.storage import Tier
 
-Command = Callable[[argparse.Namespace], int]
-
 
 def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, TypeGuard
 
@@ -141,13 +140,6 @@ def hash_stream(stream: IO[bytes]) -> tuple[str, int]:
 
 def hash_bytes(data: bytes) -> str:
     return xxhash.xxh3_64(data).hexdigest()
-
-
-def entries_by_rank(files: Iterable[FileEntry]) -> dict[int, list[FileEntry]]:
-    out: dict[int, list[FileEntry]] = {}
-    for entry in files:
-        out.setdefault(entry.rank, []).append(entry)
-    return out
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from resilience.goodput import DataWaitMonitor, GoodputLedger, TimedIterator, describe_loader, summarize
-from resilience.goodput.data import DataWindow, LoaderInfo, combine_ranks, diagnose
+from resilience.goodput.data import DataWindow, LoaderInfo, diagnose
 
 ITEM_S = 0.01  # per sample, in __getitem__
 BATCH = 2
@@ -129,11 +129,3 @@ def _window(wait_s: float, max_wait_s: float, steps: int = 10) -> DataWindow:
 def test_causes_with_workers(info: LoaderInfo | None, max_wait: float, cause: str) -> None:
     found, advice = diagnose(_window(0.3, max_wait), info)
     assert found == cause and advice
-
-
-def test_worst_rank_is_reported() -> None:
-    windows = [DataWindow(r, 10, w, 1.0, 100, w / 10, None, 0.05) for r, w in enumerate([0.01, 0.2, 0.05])]
-    combined = combine_ranks(windows)
-    assert combined["data/worst_rank"] == 1.0 and combined["data/wait_fraction_max"] == 0.2
-    assert combined["data/wait_fraction_mean"] == pytest.approx(0.26 / 3)
-    assert combined["data/samples_per_s_total"] == pytest.approx(300.0)

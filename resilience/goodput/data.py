@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -235,17 +235,6 @@ class DataWaitMonitor:
     def _reset(self) -> None:
         self._wait = self._step = self._max_wait = 0.0
         self._samples = self._steps = 0
-
-
-def combine_ranks(windows: Sequence[DataWindow], prefix: str = "data/") -> dict[str, float]:
-    """One rank's starving stalls all of them at the next collective: report the worst rank with the mean."""
-    worst = max(windows, key=lambda w: w.wait_fraction)
-    return {
-        f"{prefix}wait_fraction_max": worst.wait_fraction,
-        f"{prefix}wait_fraction_mean": sum(w.wait_fraction for w in windows) / len(windows),
-        f"{prefix}worst_rank": float(worst.rank),
-        f"{prefix}samples_per_s_total": sum(w.samples / w.step_s for w in windows if w.step_s > 0),
-    }
 
 
 def batch_size_of(batch: Any) -> int:
