@@ -26,7 +26,8 @@ FIT = [
 CLI = [sys.executable, "-m", "resilience.cli"]
 
 
-def run(title: str, command: list[str], env: dict[str, str] | None = None) -> int:
+def run(title: str, command: list[str], env: dict[str, str] | None = None, *, whole: bool = False) -> int:
+    """Run one step of the demo; of a training run's output, show only the lines that tell the story."""
     print(
         f"\n=== {title}\n$ {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in command)}",
         flush=True,
@@ -56,7 +57,7 @@ def run(title: str, command: list[str], env: dict[str, str] | None = None) -> in
         "#",
     )
     for line in result.stdout.splitlines():
-        if any(word in line for word in keep) and "Warning" not in line and "warn(" not in line:
+        if whole or (any(word in line for word in keep) and "Warning" not in line and "warn(" not in line):
             print("  " + line)
     print(f"  -> exit code {result.returncode}")
     return result.returncode
@@ -72,11 +73,15 @@ def main() -> None:
     code = run("2. relaunch the same command: it resumes at step 25", FIT)
     if code != 0:
         sys.exit(f"the resumed run failed with exit code {code}")
-    run("3a. checkpoints in both tiers", [*CLI, "ls", os.path.join(RUN, "checkpoints"), f"file://{RUN}/durable"])
-    if run("3b. verify every checksum", [*CLI, "verify", os.path.join(RUN, "checkpoints")]) != 0:
+    run(
+        "3a. checkpoints in both tiers",
+        [*CLI, "ls", os.path.join(RUN, "checkpoints"), f"file://{RUN}/durable"],
+        whole=True,
+    )
+    if run("3b. verify every checksum", [*CLI, "verify", os.path.join(RUN, "checkpoints")], whole=True) != 0:
         sys.exit("verification failed")
     plot = os.path.join(RUN, "goodput.png")
-    run("3c. where the time went, across both runs", [*CLI, "report", RUN, "--plot", plot])
+    run("3c. where the time went, across both runs", [*CLI, "report", RUN, "--plot", plot], whole=True)
     print(f"\nTimeline plot: {os.path.relpath(plot, ROOT)}")
 
 
