@@ -15,8 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from accelerate_resilience.plugin import ResiliencePlugin
-from resilience.goodput import AdaptiveInterval, DataWaitMonitor, DataWindow, GoodputLedger, IntervalPlan, summarize
-from resilience.goodput.ledger import ledger_dir
+from resilience.goodput import AdaptiveInterval, DataWaitMonitor, DataWindow, GoodputLedger, IntervalPlan
 
 # With "auto", the first save comes this many steps in: it measures what a save costs.
 AUTO_FIRST_SAVE_STEPS = 5
@@ -74,9 +73,8 @@ class AutoInterval:
             min_s=float(plugin.min_interval_s or 0),
             max_s=float(plugin.max_interval_s or 0),
         )
-        if accelerator.is_main_process and any(ledger_dir(run_dir).glob("incarnation-*.jsonl")):
-            summary = summarize(run_dir)  # earlier incarnations' failures give the observed MTBF
-            self.planner.observe_run(summary.uptime_s, summary.failures)
+        if accelerator.is_main_process:  # earlier incarnations' failures give the observed MTBF
+            self.planner.observe_ledger(run_dir)
         self.plan: IntervalPlan | None = None
         self.interval_steps = AUTO_FIRST_SAVE_STEPS
         self.next_step = AUTO_FIRST_SAVE_STEPS

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
-from resilience.goodput import AdaptiveInterval, summarize
+from resilience.goodput import AdaptiveInterval
 
 
 class PeriodicCheckpoint(Callback):
@@ -66,10 +66,7 @@ class PeriodicCheckpoint(Callback):
             min_s=self.min_interval_s,
             max_s=self.max_interval_s,
         )
-        run_dir = self.run_dir or trainer.default_root_dir
-        if os.path.isdir(os.path.join(run_dir, "goodput")):
-            summary = summarize(run_dir)
-            self.planner.observe_run(summary.uptime_s, summary.failures)
+        self.planner.observe_ledger(self.run_dir or trainer.default_root_dir)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         first = self.warmup_steps if self.every_n_steps == "auto" else self.every_n_steps

@@ -43,11 +43,18 @@ def test_mtbf_observed_from_the_run_ledger(tmp_path: Path) -> None:
     summary = summarize(tmp_path)
     assert summary.failures == 2
     adaptive = AdaptiveInterval()
-    adaptive.observe_run(summary.uptime_s, summary.failures)
+    adaptive.observe_ledger(tmp_path)
     adaptive.observe_cost(2.0)
     mtbf, source = adaptive.mtbf()
     assert source == "observed" and mtbf == pytest.approx(summary.uptime_s / 2)
     assert adaptive.plan().interval_s == pytest.approx(math.sqrt(2 * 2.0 * mtbf))
+
+
+def test_a_run_without_ledger_entries_keeps_the_prior(tmp_path: Path) -> None:
+    (tmp_path / "goodput").mkdir()  # the folder of a ledger that has not written an incarnation yet
+    adaptive = AdaptiveInterval(world_size=8)
+    adaptive.observe_ledger(tmp_path)
+    assert adaptive.mtbf() == (pytest.approx(PER_GPU_MTBF_S / 8), "prior")
 
 
 def test_prior_before_any_failure_and_before_any_save() -> None:

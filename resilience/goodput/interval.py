@@ -10,9 +10,13 @@ save's background write is free unless it delays the next save); restart and res
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass
+
+from resilience.goodput.ledger import ledger_dir
+from resilience.goodput.summary import summarize
 
 # Llama 3 pre-training: 419 interruptions in 54 days on 16,384 GPUs, about one per 5.8 GPU-years.
 PER_GPU_MTBF_S = 54 * 86400 * 16384 / 419
@@ -102,6 +106,12 @@ class AdaptiveInterval:
     def observe_run(self, uptime_s: float, failures: int) -> None:
         """The run so far (e.g. ``summary.uptime_s``, ``summary.failures`` of :func:`summarize`)."""
         self._uptime_s, self._failures = uptime_s, failures
+
+    def observe_ledger(self, run_dir: str | os.PathLike[str]) -> None:
+        """Take the run's uptime and failures from its goodput ledger, when earlier incarnations wrote one."""
+        if any(ledger_dir(run_dir).glob("incarnation-*.jsonl")):
+            summary = summarize(run_dir)
+            self.observe_run(summary.uptime_s, summary.failures)
 
     def mtbf(self) -> tuple[float, str]:
         """MTBF and where it came from: given, observed (uptime per failure), or the prior.
