@@ -15,7 +15,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_resilience.lightning_state import merge_checkpoint, saved_at_epoch_end, split_checkpoint
-from lightning_resilience.pointer import Pointer, read_pointer, write_pointer
+from lightning_resilience.pointer import Pointer, read_pointer, remove_pointer, write_pointer
 from lightning_resilience.resume_rng import PendingRNG
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, VerifyLevel, WhenBusy
@@ -188,12 +188,7 @@ class ResilientCheckpointIO(CheckpointIO):
         """Remove the name only; the data goes once no name refers to it and retention allows (never mid-save)."""
         with self._aliases_lock:
             self._aliases.pop(os.fspath(path), None)
-        fs_path = os.fspath(path)
-        from fsspec.core import url_to_fs
-
-        fs, target = url_to_fs(fs_path)
-        if fs.exists(target):
-            fs.rm(target)
+        remove_pointer(path)
 
     def teardown(self) -> None:
         """Wait for in-flight saves and uploads, and raise their failures, before the Trainer exits."""

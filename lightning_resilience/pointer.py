@@ -60,3 +60,10 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer | None:
     if select not in ("step", "latest") or (select == "step" and not isinstance(step, int)):
         raise ValueError(f"{path} is a damaged checkpoint pointer ({body!r}); delete it or pass another ckpt_path")
     return Pointer(select, step, str(body.get("local_root")), body.get("durable_url"))
+
+
+def remove_pointer(path: str | os.PathLike[str]) -> None:
+    """Delete a pointer file (only the name: the data it points to is the engine's retention's to delete)."""
+    fs, target = url_to_fs(os.fspath(path))
+    if fs.exists(target):
+        fs.rm(target)
