@@ -2,15 +2,14 @@
 
 A handle attached to the user's Accelerator rather than an Accelerator subclass: the subclass would have to be
 the class every script, library (``transformers.Trainer``, ``diffusers`` examples) and launcher builds, while an
-attached handle works with whichever Accelerator they made. The handle reads what the accelerator prepared at
-each save (so it always sees the live objects), and routes ``accelerator.save_state()`` /
-``accelerator.load_state()`` without a path to the engine, so existing scripts keep their calls. See
-``docs/ACCELERATE.md``.
+attached handle works with whichever Accelerator they made. The step boundary (interval saves, health, goodput)
+is the engine's :class:`~resilience.session.TrainingSession`; the handle builds the state, wires Accelerate's
+hooks to the session, and logs to the accelerator's trackers. ``accelerator.save_state()`` and ``load_state()``
+on this plugin's folders are routed here, so existing scripts keep their calls. See ``docs/ACCELERATE.md``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -19,29 +18,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
-from torch.nn.modules.batchnorm import _NormBase
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_resilience.goodput import AutoInterval, LoaderMonitor
-from accelerate_resilience.plugin import AUTO, ResiliencePlugin
-from accelerate_resilience.position import DataTracker, Position, load_loader_states, loader_states, trackable
-from accelerate_resilience.snapshot import (
-    load_object_states,
-    load_training_state,
-    object_states,
-    training_state,
-)
-from accelerate_resilience.telemetry import TrackerBridge
+from accelerate_resilience import compat
+from accelerate_resilience.plugin import ResiliencePlugin
+from accelerate_resilience.position import DataTracker, Position, load_loader_states, loader_states
+from accelerate_resilience.snapshot import load_object_states, load_training_state, object_states, training_state
 from resilience.errors import CheckpointError, ConfigError
-from resilience.goodput import DataWindow, GoodputLedger, IntervalPlan, TimedIterator
-from resilience.goodput.ledger import COMPLETED
-from resilience.health import Decision, HealthConfig, HealthGuard
+from resilience.goodput import IntervalPlan, TimedIterator
+from resilience.goodput.ledger import process_start_time
+from resilience.health import HealthConfig
+from resilience.layout import parse_step_dirname
 from resilience.manager import CheckpointManager
-from resilience.pipeline import SaveHandle
-from resilience.rng import capture_rng, restore_rng
+from resilience.rng import capture_rng
+from resilience.save_handle import SaveHandle
+from resilience.session import Boundary, SaveState, TrainingSession
+from resilience.staging import barrier_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -76,19 +70,14 @@ class ResumePoint:
 class ResilienceHandle:
     """Saves and resumes everything an Accelerator prepared, through the asynchronous checkpoint engine.
 
-    Made by :func:`attach`; construction is collective (every rank). Attributes: ``manager`` (the engine's
-    :class:`~resilience.CheckpointManager`), ``global_step`` (optimizer steps counted by a hook on the first
-    prepared optimizer; steps a GradScaler skips are not counted), ``ledger`` (the run's
-    :class:`~resilience.goodput.GoodputLedger`; written by the main process when ``plugin.goodput``),
-    ``run_dir`` (where it lives), ``data_monitor`` (the :meth:`timed` loaders' monitor, once there is one).
+    Made by :func:`attach`; construction is collective (every rank). Attributes: ``manager`` (the engine),
+    ``session`` (the step boundary: ``session.ledger`` is the run's goodput ledger), ``global_step``
+    (optimizer steps counted by a hook on the first prepared optimizer; steps a GradScaler skips are not
+    counted), ``run_dir`` (where the ledger lives).
 
-    Every optimizer step ends at the next batch the training loader hands out: the ledger counts the step
-    there, and the time saves blocked (including the wait for an asynchronous copy before the next optimizer
-    step) as checkpoint stall.
-
-    With health monitoring on, every batch the training loader hands out is a step boundary where the ranks
-    agree (one all-reduce) on the faults and preemption signals any of them saw; on a stop, every rank saves
-    the same step at once and :meth:`should_stop` turns True.
+    Every optimizer step ends at the next batch the training loader hands out: that is the step boundary, where
+    interval saves happen, the ranks agree on faults and preemption signals (with health on), and an agreed
+    stop saves the step and makes :meth:`should_stop` True.
     """
 
     def __init__(
@@ -115,32 +104,19 @@ class ResilienceHandle:
             local_dir=os.path.join(project.project_dir, "resilience") if project.project_dir else None,
             keep_last=max(2, limit) if limit else None,
         )
-        if any(_updates_statistics_in_forward(model) for model in accelerator._models):
-            # the background copy must also end before a forward that updates BatchNorm statistics
-            config = dataclasses.replace(config, staging_barrier="forward")
+        self.manager = CheckpointManager(barrier_for(config, compat.models(accelerator)))
+        self.session = TrainingSession(self.manager, self._state, is_main=accelerator.is_main_process)
+        self.session.add_sink(self._log)
         self.run_dir = os.fspath(plugin.run_dir or project.project_dir or config.local_root)
-        self.ledger = GoodputLedger(
-            self.run_dir,
-            accelerator.process_index,
-            span_s=float(plugin.goodput_span_s or 0),
-            process_start=_incarnation_start(),
-            write=bool(plugin.goodput) and accelerator.is_main_process,
-        )
-        self._telemetry = TrackerBridge(accelerator, self.ledger)
-        self.manager = CheckpointManager(config, listeners=self._telemetry.listeners)
-        self._interval = AutoInterval(plugin, accelerator, self.run_dir) if plugin.every_n_steps == AUTO else None
-        self.data_monitor: LoaderMonitor | None = None
-        self._guard: HealthGuard | None = None
-        self._stop: Decision | None = None
+        if plugin.goodput:
+            self.session.use_goodput(plugin.goodput_config(self.run_dir), process_start=_incarnation_start())
+        self.session.use_interval(plugin.interval_config())
         if health is not None or plugin.health:
-            settings = health or HealthConfig(nvml=accelerator.device.type == "cuda")
-            self._guard = HealthGuard(settings).start()  # collective; signal handlers need the main thread
+            self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
         self.global_step = 0
-        self._started = False
         self._boundary_step = 0
-        self._staging_seen = 0.0
+        self._stop: Boundary | None = None
         self._last_saved: int | None = None
-        self._pending_rng: dict[str, Any] | None = None
         self._hooks: list[RemovableHandle] = []
         self._hooked: set[int] = set()
         self._training_loader = dataloader
@@ -151,13 +127,13 @@ class ResilienceHandle:
             setattr(accelerator, name, getattr(self, f"_routed_{name}"))
         accelerator._resilience_handle = self
         self._closed = False
-        if not accelerator._models and accelerator.is_main_process:
+        if not compat.models(accelerator) and accelerator.is_main_process:
             warnings.warn(
                 "attach() found no prepared model: call it after accelerator.prepare(...), so that step counting, "
                 "interval saves and the data position are hooked before the first batch",
                 stacklevel=3,
             )
-        if accelerator._save_model_state_pre_hook and accelerator.is_main_process:
+        if compat.has_save_state_hooks(accelerator) and accelerator.is_main_process:
             warnings.warn(
                 "Hooks registered with register_save_state_pre_hook are not called by accelerate_resilience's "
                 "saves (they write into a folder; these saves are asynchronous); the models they see are in the "
@@ -166,60 +142,60 @@ class ResilienceHandle:
             )
         self._refresh()
 
+    @property
+    def ledger(self) -> Any:
+        return self.session.ledger
+
     # ---- save -------------------------------------------------------------------------------------------------
 
     def save(self, step: int | None = None) -> SaveHandle | None:
         """Checkpoint everything now, in the background; collective (every rank, same step).
 
         Call it after a step's optimizer and scheduler steps: the checkpoint counts the batch just drawn as
-        trained. ``step`` defaults to :attr:`global_step` (so numbering survives restarts). Returns None when
-        nothing was saved: the step is the one saved last, or the previous save is still running and
-        ``when_busy="skip"``.
+        trained. ``step`` defaults to :attr:`global_step` (so numbering survives restarts). A step saved already
+        (by an interval save at this boundary, say) gives that save's handle. Returns None when the previous
+        save is still running and ``when_busy="skip"``.
         """
         self._check_open()
-        start = time.perf_counter()
-        self._end_step(start)  # called after a step's optimizer step: that step is complete
-        staged = self._take_staging_wait()
-        handle = self._save(step)
-        self._take_staging_wait()  # waited for inside the save: part of its time
-        self._blocked(staged + time.perf_counter() - start, saves=int(handle is not None))
-        self.ledger.flush()
-        return handle
-
-    def _save(self, step: int | None = None) -> SaveHandle | None:
         self._refresh()
-        self._telemetry.flush(self.global_step)
+        self._begin()
+        self._boundary()  # called after a step's optimizer step: that step is complete
         step = self.global_step if step is None else int(step)
         if step == self._last_saved:
-            return None
+            return self.manager.saved(step)
+        handle = self.session.save(step)
+        if handle is not None:
+            self._saved(step)
+        if self.ledger is not None:
+            self.ledger.flush()
+        return handle
+
+    def _state(self, step: int) -> SaveState:
+        """Everything to save at ``step``: the shared training state, and each rank's own."""
         position = self._position()
-        rng, rng_at_next_batch = (
-            (self._pending_rng, True) if self._pending_rng is not None else (capture_rng(), position.rng_at_next_batch)
-        )
         progress = {
             "global_step": step,
             "epoch": position.epoch,
             "batch_in_epoch": position.batch_in_epoch,
             "accelerator_step": self.accelerator.step,
+            "iteration": self.accelerator.project_configuration.iteration,
+        }
+        rank_state = {
+            "rng": capture_rng(),
+            "rng_at_next_batch": position.rng_at_next_batch,
+            "objects": object_states(self.accelerator),
+            "loaders": loader_states(compat.dataloaders(self.accelerator)),
         }
         state = {"training": training_state(self.accelerator), "progress": progress}
-        rank_state = {
-            "rng": rng,
-            "rng_at_next_batch": rng_at_next_batch,
-            "objects": object_states(self.accelerator),
-            "loaders": loader_states(self.accelerator._dataloaders),
-        }
-        handle = self.manager.save(step, state, rank_state, extra={"adapter": "accelerate", **progress})
-        if handle is not None:
-            self._last_saved = step
-        return handle
+        return SaveState(state, rank_state, {"adapter": "accelerate", **progress})
+
+    def _saved(self, step: int) -> None:
+        self._last_saved = step
+        self.accelerator.project_configuration.iteration += 1  # what Accelerate's own save_state counts
 
     def wait(self, *, durable: bool = False) -> None:
         """Block until the last save is committed locally (and uploaded, with ``durable``); raise its error."""
-        start = time.perf_counter()
-        self.manager.wait(durable=durable)
-        self._blocked(time.perf_counter() - start, saves=0)
-        self._telemetry.flush(self.global_step)
+        self.session.wait(durable=durable)
 
     # ---- data -------------------------------------------------------------------------------------------------
 
@@ -229,19 +205,12 @@ class ResilienceHandle:
         Use it in the training loop (``for batch in resilience.timed(train_dl)``); it keeps the loader's
         length and attributes, and the handle still tracks the position of the loader inside. Per window of
         ``plugin.data_window_steps`` steps, logs ``data/wait_fraction``, ``data/samples_per_s``,
-        ``data/step_ms``, ... and the ledger's ``goodput/*`` figures; above ``plugin.starvation_threshold`` it
-        warns with the likely cause (workers, I/O, collate). The waits go to the ledger's data-wait bucket.
-        Only the time spent waiting counts: loading that overlaps the step (workers, prefetching) does not,
-        nor does the handle's own work at the batch boundary (saves, health checks).
+        ``data/step_ms``, ... and the ``goodput/*`` figures; above ``plugin.starvation_threshold`` it warns
+        with the likely cause (workers, I/O, collate). Only the time spent waiting counts: loading that overlaps
+        the step (workers, prefetching) does not, nor does the handle's own work at the batch boundary (saves,
+        health checks), which runs inside ``next()``.
         """
-        if self.data_monitor is None:
-            self.data_monitor = LoaderMonitor(
-                self.plugin, self.accelerator.process_index, self.ledger, self._log_window
-            )
-        # Accelerate's loaders pass attributes through to the DataLoader they wrap, but not assignments: its
-        # collate_fn is timed (in-process) on the DataLoader itself.
-        self.data_monitor.watch(getattr(loader, "base_dataloader", loader))
-        return TimedIterator(loader, self.data_monitor, on_wait=self.data_monitor.fetched)
+        return self.session.timed(loader, compat.dataloader_of(loader))
 
     # ---- resume -----------------------------------------------------------------------------------------------
 
@@ -255,16 +224,16 @@ class ResilienceHandle:
         self._check_open()
         start = time.perf_counter()
         self._refresh()
-        self.manager.wait_for_staging()  # the load fills the live tensors in place
         restored = self.manager.load({"training": training_state(self.accelerator)}, step=step)
         if restored is None:
-            self._resumed(None, start)
+            self.session.restored(None, time.perf_counter() - start)
             return ResumePoint()
         where = f"checkpoint step {restored.step} ({restored.path})"
         load_training_state(self.accelerator, restored.state["training"], where)
         progress = restored.state["progress"]
-        self.global_step = self._last_saved = restored.step
+        self.global_step = self._last_saved = self._boundary_step = restored.step
         self.accelerator.step = progress["accelerator_step"]
+        self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
         rank_state = restored.rank_state
         if restored.manifest.world_size != self.accelerator.num_processes:
             rank_state = None
@@ -278,19 +247,18 @@ class ResilienceHandle:
                 )
         if rank_state is not None:
             load_object_states(self.accelerator, rank_state["objects"], where)
-            load_loader_states(self.accelerator._dataloaders, rank_state["loaders"], where)
+            load_loader_states(compat.dataloaders(self.accelerator), rank_state["loaders"], where)
         epoch, batch = progress["epoch"], progress["batch_in_epoch"]
         positioned = rank_state is not None and self._tracker is not None and self._tracker.stateful
         if self._tracker is not None:
             self._tracker.resume_at(epoch, batch, positioned=positioned)
-        self._pending_rng = None
-        if rank_state is not None:
-            if rank_state["rng_at_next_batch"] and self._tracker is not None:
-                self._pending_rng = rank_state["rng"]
-            else:
-                restore_rng(rank_state["rng"])
-        log.info("resumed from %s at epoch %d, batch %d, global step %d", where, epoch, batch, restored.step)
-        self._resumed(restored.step, start)
+        rng = rank_state["rng"] if rank_state is not None else None
+        at_next_batch = rank_state is not None and rank_state["rng_at_next_batch"] and self._tracker is not None
+        self.session.restored(
+            restored, time.perf_counter() - start, rng=rng, rng_at="next_batch" if at_next_batch else "now"
+        )
+        if self.accelerator.is_main_process:
+            log.info("resumed from %s at epoch %d, batch %d, global step %d", where, epoch, batch, restored.step)
         return ResumePoint(
             epoch=epoch,
             batch_in_epoch=batch,
@@ -322,23 +290,16 @@ class ResilienceHandle:
     def _close(self, failure: BaseException | None) -> None:
         if not self._closed:
             self._closed = True
-            start = time.perf_counter()
-            self._end_step(start)  # the last step: no batch after it ended it
-            try:
-                self.manager.close()
-            except BaseException as exc:
-                failure = failure or exc
-                raise
-            finally:
-                self._release()
-                self._end(time.perf_counter() - start, failure)
-        if self._stop is not None and self._guard is not None:
-            for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
-                tracker.finish()
-            self._guard.stop()
+            if self.session.started:
+                self._boundary()  # the last step: no batch after it ended it
+            self._release()
+            if self._stop is not None:
+                for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
+                    tracker.finish()
+                self.session.exit()
+            self.session.end(failure)
 
     def _release(self) -> None:
-        self._telemetry.flush(self.global_step)
         for hook in self._hooks:
             hook.remove()
         if self._tracker is not None:
@@ -346,20 +307,6 @@ class ResilienceHandle:
         for name in _ROUTED:
             self.accelerator.__dict__.pop(name, None)
         self.accelerator._resilience_handle = None
-        if self._guard is not None and self._stop is None:
-            self._guard.close()  # while the default process group still exists (end_training destroys it)
-
-    def _end(self, closing_s: float, failure: BaseException | None) -> None:
-        """Close the ledger; only a normal end is ``completed``, anything else counts as a failure."""
-        closing_s += self._take_staging_wait()
-        if self._stop is not None:
-            self.ledger.emergency(closing_s, "the stop's last writes and uploads")
-            reason = f"stopped, exit code {self._stop.exit_code}: {self._stop.reason}"
-        else:
-            self._blocked(closing_s, saves=0)  # the last saves' writes and uploads
-            reason = COMPLETED if failure is None else f"{type(failure).__name__}: {failure}"
-        self.ledger.end(reason[:200])
-        self._telemetry.close()
 
     def __enter__(self) -> ResilienceHandle:
         return self
@@ -367,22 +314,23 @@ class ResilienceHandle:
     def __exit__(self, exc_type: object, exc: BaseException | None, traceback: object) -> None:
         self._close(exc)
 
-    # ---- what the accelerator prepared ------------------------------------------------------------------------
+    # ---- what the accelerator prepared, and the step boundary -------------------------------------------------
 
     def _refresh(self) -> None:
         """Hook whatever was prepared since the last call: step counting and the training loader."""
         accelerator = self.accelerator
-        if accelerator._optimizers and id(accelerator._optimizers[0].optimizer) not in self._hooked:
-            optimizer = accelerator._optimizers[0].optimizer
+        optimizers = compat.optimizers(accelerator)
+        if optimizers and id(optimizers[0].optimizer) not in self._hooked:
+            optimizer = optimizers[0].optimizer
             self._hooked.add(id(optimizer))
             self._hooks.append(optimizer.register_step_post_hook(self._count_step))
         if self._tracker is None:
             loader = self._training_loader
             if loader is None:
-                loader = next(iter(accelerator._dataloaders), None)
-            if loader is not None and trackable(loader):
+                loader = next(iter(compat.dataloaders(accelerator)), None)
+            if loader is not None and compat.reports_batches(loader):
                 self._tracker = DataTracker(loader, self._on_batch)
-                if getattr(loader, "synchronized_generator", None) is not None and accelerator.is_main_process:
+                if compat.shuffles_unseeded(loader) and accelerator.is_main_process:
                     warnings.warn(
                         "The training data loader shuffles without a seedable sampler, so a resume mid-epoch "
                         "cannot replay its order: use DataLoaderConfiguration(use_seedable_sampler=True)",
@@ -404,122 +352,72 @@ class ResilienceHandle:
 
     def _on_batch(self) -> None:
         """Just before the training loader hands out a batch: the previous step is complete."""
-        start = time.perf_counter()
-        try:
-            self._step_boundary(start)
-        finally:
-            if self.data_monitor is not None:
-                self.data_monitor.hook_ran(time.perf_counter() - start)
+        if self._stop is not None:  # the loop went on after should_stop(): stop it here
+            self.close()
+        self._begin()
+        self._boundary()
+        self.session.step_begin(self.global_step, infer_wait=False)
 
-    def _step_boundary(self, now: float) -> None:
-        if self._pending_rng is not None:
-            restore_rng(self._pending_rng)
-            self._pending_rng = None
-        if not self._started:
-            self._start_training(now)
-        self._end_step(now)
-        self._telemetry.flush(self.global_step)
-        if self._guard is not None:
-            if self._stop is not None:  # the loop went on after should_stop(): stop it here
-                self.close()
-            decision = self._guard.on_step(self.global_step)
-            if decision.stop:
-                start = time.perf_counter()
-                self._guard.emergency_save(self.manager, self.global_step, save=self._save)
-                self._take_staging_wait()  # waited for inside the emergency save: part of its time
-                self.ledger.fault(decision.reason, decision.step)
-                self.ledger.emergency(time.perf_counter() - start, f"emergency save of step {self.global_step}")
-                self._stop = decision
-                return
-            if decision.save:
-                self.save()
-        every = self.plugin.every_n_steps
-        if self._interval is not None:
-            if self._interval.due(self.global_step):
-                if self.global_step != self._last_saved:
-                    self.save()
-                self._plan_interval()
-        elif (
-            isinstance(every, int)
-            and self.global_step > 0
-            and self.global_step % every == 0
-            and self.global_step != self._last_saved
-        ):
-            self.save()
+    def _begin(self) -> None:
+        if not self.session.started:
+            self.session.start(self.global_step)
 
-    def _start_training(self, now: float) -> None:
-        self._started = True
+    def _boundary(self) -> None:
+        if self.global_step == self._boundary_step:
+            return  # not every micro-batch is an optimizer step
         self._boundary_step = self.global_step
-        self.ledger.startup_done()
-        if self._interval is not None:
-            self._interval.start(self.global_step, now)
+        boundary = self.session.step_end(self.global_step)
+        if boundary.saved is not None and boundary.saved.step == self.global_step:
+            self._saved(self.global_step)
+        if boundary.stop is not None:
+            self._stop = boundary
 
-    def _end_step(self, now: float) -> None:
-        """Count the optimizer step done since the last boundary, if any (not every micro-batch is a step)."""
-        if not self._started or self.global_step == self._boundary_step:
-            return
-        self._boundary_step = self.global_step
-        self._blocked(self._take_staging_wait(), saves=0)  # before the step ends: it waited inside the step
-        self.ledger.step_end(self.global_step)
-        if self._interval is not None:
-            self._interval.step_done(now)
+    @property
+    def interval_plan(self) -> IntervalPlan | None:
+        """With ``every_n_steps="auto"``: the current plan (the same on every rank); None before the first save."""
+        return self.session.last_plan
 
-    def _plan_interval(self) -> None:
-        assert self._interval is not None
-        plan = self._interval.replan(self.global_step, time.perf_counter())
-        self._telemetry.log(self._interval.metrics(), self.global_step)
-        if self.accelerator.is_main_process:
-            log.info("every_n_steps='auto': %s", plan.describe())
-
-    def _resumed(self, step: int | None, start: float) -> None:
-        self._take_staging_wait()  # waited for inside the restore: part of its time
-        self.ledger.restored(step, time.perf_counter() - start)
-        if not self._started:
-            self._start_training(time.perf_counter())
-
-    def _take_staging_wait(self) -> float:
-        """Seconds waited for asynchronous copies since the last call (before an optimizer step, in a save)."""
-        total = self.manager.stats.staging_wait_s
-        waited, self._staging_seen = total - self._staging_seen, total
-        return waited
-
-    def _blocked(self, seconds: float, *, saves: int) -> None:
-        """Training waited ``seconds`` for checkpoints: the ledger's stall, and the "auto" interval's cost."""
-        if seconds > 0:
-            self.ledger.checkpoint_stall(seconds, self.global_step)
-        if self._interval is not None:
-            self._interval.blocked(seconds, saves)
-
-    def _log_window(self, window: DataWindow) -> None:
-        self._telemetry.log({**window.metrics(), **self.ledger.metrics()}, self.global_step)
+    def _log(self, metrics: dict[str, float]) -> None:
+        """The main process's trackers, at the current training step (W&B drops values logged at a past step)."""
+        if self.accelerator.trackers and self.accelerator.is_main_process:
+            self.accelerator.log(metrics, step=self.global_step)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this ResilienceHandle is closed; attach a new one")
 
-    @property
-    def interval_plan(self) -> IntervalPlan | None:
-        """With ``every_n_steps="auto"``: the current plan (the same on every rank); None before the first save."""
-        return self._interval.plan if self._interval is not None else None
-
     # ---- Accelerator methods routed here ----------------------------------------------------------------------
 
-    def _is_ours(self, location: str | os.PathLike[str]) -> bool:
-        text = os.fspath(location)
-        if text == self.manager.config.durable_url:
-            return True
-        return "://" not in text and os.path.abspath(os.path.expanduser(text)) == os.path.abspath(
-            self.manager.config.local_root
-        )
+    def _step_of(self, location: str | os.PathLike[str]) -> tuple[bool, int | None]:
+        """Whether ``location`` is this plugin's root (or a ``step-<N>`` folder in it), and that step."""
+        text = os.fspath(location).rstrip("/")
+        roots = [self.manager.config.local_root]
+        if self.manager.config.durable_url:
+            roots.append(self.manager.config.durable_url.rstrip("/"))
+
+        def same(path: str, root: str) -> bool:
+            if "://" in path or "://" in root:
+                return path == root
+            return os.path.abspath(os.path.expanduser(path)) == os.path.abspath(root)
+
+        if any(same(text, root) for root in roots):
+            return True, None
+        step = parse_step_dirname(text)
+        parent = text.rsplit("/", 1)[0] if "/" in text else "."
+        if step is not None and any(same(parent, root) for root in roots):
+            return True, step
+        return False, None
 
     def _routed_save_state(
         self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
-    ) -> SaveHandle | None:
-        if output_dir is None or self._is_ours(output_dir):
-            return self.save()
-        if "://" in os.fspath(output_dir):
+    ) -> str | None:
+        ours, _ = self._step_of(output_dir) if output_dir is not None else (True, None)
+        if ours:
+            handle = self.save()
+            return self.manager.local.step_path(handle.step) if handle is not None else None
+        if "://" in os.fspath(output_dir):  # type: ignore[arg-type]
             raise ConfigError(
-                f"save_state({os.fspath(output_dir)!r}): Accelerate would write this URL as a local folder. Set "
+                f"save_state({os.fspath(output_dir)!r}): Accelerate would write this URL as a local folder. Set "  # type: ignore[arg-type]
                 "ResiliencePlugin(durable_url=...) (or ACCELERATE_RESILIENCE_DURABLE_URL) and call save_state()"
             )
         return self._originals["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
@@ -527,11 +425,12 @@ class ResilienceHandle:
     def _routed_load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> ResumePoint | None:
-        if input_dir is None or self._is_ours(input_dir):
-            return self.resume()
-        if "://" in os.fspath(input_dir):
+        ours, step = self._step_of(input_dir) if input_dir is not None else (True, None)
+        if ours:  # also the examples' --resume_from_checkpoint <dir>/step-N
+            return self.resume(step)
+        if "://" in os.fspath(input_dir):  # type: ignore[arg-type]
             raise ConfigError(
-                f"load_state({os.fspath(input_dir)!r}): only this run's durable_url "
+                f"load_state({os.fspath(input_dir)!r}): only this run's durable_url "  # type: ignore[arg-type]
                 f"({self.manager.config.durable_url}) is read through the engine; attach a plugin with that URL"
             )
         return self._originals["load_state"](input_dir, load_kwargs=load_kwargs, **kwargs)
@@ -559,11 +458,7 @@ def _incarnation_start() -> float | None:
     """The first ledger of a process starts at the process's start (imports count as startup); later ones now."""
     global _process_accounted
     first, _process_accounted = not _process_accounted, True
-    return None if first else time.time()
-
-
-def _updates_statistics_in_forward(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
+    return process_start_time() if first else time.time()
 
 
 def attach(

@@ -10,14 +10,18 @@ the same way: a field left at ``None`` takes its variable, else its default.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from resilience.config import CheckpointConfig
 from resilience.errors import ConfigError
+from resilience.health import HealthConfig
+from resilience.session import GoodputConfig, IntervalConfig
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
 DEFAULT_KEEP_LAST = 3
@@ -110,12 +114,20 @@ class ResiliencePlugin:
             before that step; turn it off for those. Default: true.
         when_busy: ``"wait"`` for the previous save, or ``"skip"`` this one while it is still being written.
         on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` trains on with the local tier.
-        verify: What a resume checks before trusting a checkpoint: ``"auto"`` (every checksum from the local
-            tier, sizes from the durable one), ``"size"`` or ``"full"`` (all checksums).
+        verify: What a resume checks before trusting a checkpoint: ``"auto"`` and ``"full"`` (every checksum
+            of the copy it loads, from either tier), or ``"size"`` (sizes, and checksums of the small files).
+        fsync: Flush files to stable storage before the local commit. Default: true.
+        upload_concurrency: Files uploaded at once per rank. Default: 8.
+        upload_retries: Retries per file (exponential backoff with jitter) before an upload fails. Default: 5.
+        upload_backoff_s: First retry delay, doubling per attempt. Default: 0.5.
+        local_shared: Whether every rank sees the same ``local_dir`` (a shared file system). Default: when all
+            ranks are on one host.
         allow_pickle: Load state values that could only be stored as pickles (they run code when loaded).
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
             fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
             Default: false.
+        grace_s: With health: seconds from a fault until the process must be on its way out (the emergency
+            save's local commit must fit, the upload gets what is left). Default: 25.
         goodput: Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went,
             across restarts. Only the main process writes it. Default: true.
         run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several
@@ -139,8 +151,14 @@ class ResiliencePlugin:
     when_busy: str | None = field(default=None, metadata=_env("wait", _text))
     on_upload_error: str | None = field(default=None, metadata=_env("raise", _text))
     verify: str | None = field(default=None, metadata=_env("auto", _text))
+    fsync: bool | None = field(default=None, metadata=_env(True, _boolean))
+    upload_concurrency: int | None = field(default=None, metadata=_env(8, _integer))
+    upload_retries: int | None = field(default=None, metadata=_env(5, _integer))
+    upload_backoff_s: float | None = field(default=None, metadata=_env(0.5, _number))
+    local_shared: bool | None = field(default=None, metadata=_env(None, _boolean))
     allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
     health: bool | None = field(default=None, metadata=_env(False, _boolean))
+    grace_s: float | None = field(default=None, metadata=_env(25.0, _number))
     mtbf_hours: float | None = field(default=None, metadata=_env(None, _number))
     min_interval_s: float | None = field(default=None, metadata=_env(60.0, _number))
     max_interval_s: float | None = field(default=None, metadata=_env(6 * 3600.0, _number))
@@ -152,6 +170,7 @@ class ResiliencePlugin:
     from_env: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        _warn_unknown_variables({item.name for item in fields(self) if item.init})
         for item in fields(self):
             if not item.init or getattr(self, item.name) is not None:
                 continue
@@ -187,9 +206,35 @@ class ResiliencePlugin:
                 on_upload_error=self.on_upload_error,  # type: ignore[arg-type]
                 verify=self.verify,  # type: ignore[arg-type]
                 allow_pickle=bool(self.allow_pickle),
+                fsync=bool(self.fsync),
+                upload_concurrency=int(self.upload_concurrency or 0),
+                upload_retries=int(self.upload_retries if self.upload_retries is not None else 0),
+                upload_backoff_s=float(self.upload_backoff_s if self.upload_backoff_s is not None else 0),
+                local_shared=self.local_shared,
             )
         except ConfigError as exc:
             raise ConfigError(self._blame(str(exc))) from None
+
+    def interval_config(self) -> IntervalConfig:
+        every = self.every_n_steps
+        return IntervalConfig(
+            every_n_steps=every,
+            mtbf_hours=self.mtbf_hours,
+            min_interval_s=float(self.min_interval_s or 0),
+            max_interval_s=float(self.max_interval_s or 0),
+        )
+
+    def goodput_config(self, run_dir: str) -> GoodputConfig:
+        return GoodputConfig(
+            run_dir=run_dir,
+            span_s=float(self.goodput_span_s or 0),
+            window_steps=int(self.data_window_steps or 0),
+            starvation_threshold=float(self.starvation_threshold or 0),
+        )
+
+    def health_config(self, cuda: bool) -> HealthConfig:
+        """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU)."""
+        return HealthConfig(nvml=cuda, grace_s=float(self.grace_s or 0))
 
     def _check_ranges(self) -> None:
         every, low, high = self.every_n_steps, self.min_interval_s, self.max_interval_s
@@ -208,6 +253,7 @@ class ResiliencePlugin:
                 f"use at least min_interval_s ({low})",
             ),
             ("goodput_span_s", self.goodput_span_s is not None and self.goodput_span_s >= 0, "use 0 or more seconds"),
+            ("grace_s", self.grace_s is not None and self.grace_s > 0, "use a positive number of seconds"),
             ("data_window_steps", self.data_window_steps is not None and self.data_window_steps >= 1, "use 1 or more"),
             (
                 "starvation_threshold",
@@ -225,3 +271,13 @@ class ResiliencePlugin:
             if message.startswith(f"{name}="):
                 return f"{message} (set by {variable})"
         return message
+
+
+def _warn_unknown_variables(known: set[str]) -> None:
+    """An ``ACCELERATE_RESILIENCE_*`` variable no field reads is a typo that would silently do nothing."""
+    names = {env_name(name): name for name in known}
+    for variable in sorted(os.environ):
+        if variable.startswith(ENV_PREFIX) and variable not in names:
+            close = difflib.get_close_matches(variable, list(names), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else f"; the fields are {', '.join(sorted(names))}"
+            warnings.warn(f"{variable} is not a ResiliencePlugin setting and is ignored{hint}", stacklevel=4)

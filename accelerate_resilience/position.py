@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accelerate.data_loader import DataLoaderShard
-
-from resilience.errors import CheckpointError
+from accelerate_resilience import compat
+from resilience.errors import CheckpointError, IncompatibleStateError
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,6 @@ class Position:
     rng_at_next_batch: bool
 
 
-def trackable(loader: Any) -> bool:
-    """Only ``DataLoaderShard`` reports every batch; ``DataLoaderDispatcher`` (dispatch_batches) does not."""
-    return issubclass(type(loader), DataLoaderShard)
-
-
 class DataTracker:
     """Counts the batches of the training loader (and of loaders skipped ahead from it) per epoch.
 
@@ -51,7 +45,7 @@ class DataTracker:
     def __init__(self, loader: Any, on_batch: Callable[[], None]):
         self.loader = loader
         self.on_batch = on_batch
-        self.epoch: int = loader.iteration
+        self.epoch: int = compat.epoch(loader)
         self.batches = 0
         self.finished = False
         self.in_batch = False
@@ -61,7 +55,7 @@ class DataTracker:
 
     @property
     def stateful(self) -> bool:
-        return bool(getattr(self.loader, "use_stateful_dataloader", False))
+        return compat.stateful(self.loader)
 
     def position(self) -> Position:
         if self.finished:
@@ -70,7 +64,7 @@ class DataTracker:
 
     def resume_at(self, epoch: int, batch_in_epoch: int, *, positioned: bool) -> None:
         """Continue counting from a checkpoint; ``positioned``: the loader itself resumes mid-epoch (stateful)."""
-        self.loader.iteration = epoch
+        compat.set_epoch(self.loader, epoch)
         self.epoch, self.batches, self.finished = epoch, batch_in_epoch, False
         self.resume_offset = batch_in_epoch if positioned else None
 
@@ -87,16 +81,13 @@ class DataTracker:
             )
         # A map-style child skips in its sampler (it never reports the skipped batches); an iterable one
         # reads and drops them, reporting each.
-        skipped = num_batches - getattr(child, "skip_batches", 0)
+        skipped = num_batches - compat.skipped_in_sampler(child)
         self._follow(child, lambda: skipped)
-        original_end = child.end
 
-        def end() -> None:
-            original_end()
-            self.loader.iteration = max(self.loader.iteration, child.iteration)
+        def after_end() -> None:
+            compat.set_epoch(self.loader, max(compat.epoch(self.loader), compat.epoch(child)))
 
-        child.end = end
-        self._undo.append(lambda: child.__dict__.pop("end", None))
+        self._undo.append(compat.hook_end(child, after_end))
 
     def detach(self) -> None:
         for undo in self._undo:
@@ -108,32 +99,21 @@ class DataTracker:
         return offset
 
     def _follow(self, loader: Any, first_batch: Callable[[], int]) -> None:
-        original_begin = loader.begin
-        original_update = loader._update_state_dict
-
         def begin() -> None:
-            original_begin()
-            self.epoch, self.batches, self.finished = loader.iteration, first_batch(), False
+            self.epoch, self.batches, self.finished = compat.epoch(loader), first_batch(), False
 
-        def update_state_dict() -> None:
-            # The hook runs before Accelerate snapshots the loader, so a save made here records the cursor of
-            # the batches already trained on, matching self.batches.
+        def batch() -> None:
+            # runs before Accelerate snapshots the loader, so a save made here records the cursor of the batches
+            # already trained on, matching self.batches
             self.in_batch = True
             try:
                 self.on_batch()
             finally:
                 self.in_batch = False
-            original_update()
             self.batches += 1
-            self.finished = bool(loader.end_of_dataloader)
+            self.finished = compat.at_end(loader)
 
-        def undo() -> None:
-            for name in ("begin", "_update_state_dict"):
-                loader.__dict__.pop(name, None)
-
-        loader.begin = begin
-        loader._update_state_dict = update_state_dict
-        self._undo.append(undo)
+        self._undo.append(compat.hook_batches(loader, begin, batch))
 
 
 def loader_states(loaders: Sequence[Any]) -> list[dict[str, Any]]:
@@ -143,8 +123,8 @@ def loader_states(loaders: Sequence[Any]) -> list[dict[str, Any]]:
         sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
         states.append(
             {
-                "epoch": getattr(loader, "iteration", 0),
-                "state": loader.state_dict() if getattr(loader, "use_stateful_dataloader", False) else None,
+                "epoch": compat.epoch(loader),
+                "state": loader.state_dict() if compat.stateful(loader) else None,
                 # SeedableRandomSampler shuffles epoch e with initial_seed + e: keep the seed, so a relaunch
                 # that seeds torch differently still replays the same order.
                 "seed": getattr(sampler, "initial_seed", None),
@@ -155,7 +135,7 @@ def loader_states(loaders: Sequence[Any]) -> list[dict[str, Any]]:
 
 def load_loader_states(loaders: Sequence[Any], states: list[dict[str, Any]], where: str) -> None:
     if len(states) != len(loaders):
-        raise CheckpointError(
+        raise IncompatibleStateError(
             f"{where} holds {len(states)} data loaders but this run prepared {len(loaders)}: prepare the same "
             "data loaders, in the same order"
         )
@@ -163,12 +143,9 @@ def load_loader_states(loaders: Sequence[Any], states: list[dict[str, Any]], whe
         sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
         if saved["seed"] is not None and sampler is not None and hasattr(sampler, "initial_seed"):
             sampler.initial_seed = saved["seed"]
-        if saved["state"] is not None and getattr(loader, "use_stateful_dataloader", False):
+        if saved["state"] is not None and compat.stateful(loader):
             loader.load_state_dict(saved["state"])
-            # state_dict() makes the iterator from the loaded state now and keeps it for the next pass: its
-            # seed draws happen before the RNG is restored, as they did in the run that saved it (a finished
-            # state makes torchdata draw for a second, fresh iterator). It also renews Accelerate's snapshot,
-            # stale until the next batch otherwise.
-            loader.dl_state_dict = loader.base_dataloader.state_dict()
-        if hasattr(loader, "iteration"):
-            loader.iteration = saved["epoch"]
+            # the iterator's seed draws happen before the RNG is restored, as they did in the run that saved it
+            # (a finished state makes torchdata draw for a second, fresh iterator)
+            compat.refresh_snapshot(loader)
+        compat.set_epoch(loader, saved["epoch"])

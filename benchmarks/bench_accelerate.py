@@ -47,7 +47,7 @@ def resilience_save(resilience: ResilienceHandle, step: int) -> tuple[float, flo
     block = time.perf_counter() - t0
     resilience.manager.wait_for_staging()
     staged = time.perf_counter() - t0
-    handle.wait_local()
+    handle.committed.result()
     return block, staged, time.perf_counter() - t0
 
 

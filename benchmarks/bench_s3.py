@@ -69,7 +69,7 @@ def main() -> None:
                     step += 1
                     handle = manager.save(step, model_state(model, optimizer))
                     assert handle is not None
-                    handle.wait_durable()
+                    handle.durable.result()
                     uploaded.append(handle.nbytes)
                     return {"s": handle.timings["upload_s"]}
 

@@ -50,7 +50,7 @@ def save_turn(manager: CheckpointManager, state: dict[str, Any], steps: itertool
     handle = manager.save(next(steps), state)
     block = now() - start
     assert handle is not None
-    handle.wait_local()
+    handle.committed.result()
     return {"block": block, "commit": now() - start}
 
 
@@ -108,7 +108,7 @@ def rank_worker(args: argparse.Namespace) -> None:
             engine_start = now()
             handle = manager.save(repeat, state)
             assert handle is not None
-            handle.wait_local()
+            handle.committed.result()
             engine_saved = now()
             dist.barrier()
             engine_load_start = now()

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
 
-from lightning_resilience.checkpoint_io import ResilientCheckpointIO, live_checkpoint_ios
-from lightning_resilience.pointer import write_pointer
+from lightning_resilience.checkpoint_io import (
+    ResilientCheckpointIO,
+    calling_trainer,
+    live_checkpoint_ios,
+    write_resume_marker,
+)
+from lightning_resilience.session_callback import SessionCallback
 from resilience import catalog
-from resilience.rng import restore_rng
-from resilience.storage import Tier
+from resilience.errors import ConfigError, ResilienceError
+from resilience.storage import DurableTier, LocalTier, Tier
 
 # With this callback, fit(ckpt_path=None) resolving to the newest checkpoint is the point, and a first launch
 # with nothing saved yet is normal; Lightning's warnings about both would only mislead.
@@ -24,18 +30,15 @@ _QUIET = (
 )
 
 
-class AutoResume(OnExceptionCheckpoint):
+class AutoResume(SessionCallback, OnExceptionCheckpoint):
     """Makes ``trainer.fit(model)`` (and ``ckpt_path="last"``) resume from the newest committed checkpoint.
 
     Lightning turns ``fit(ckpt_path=None)`` into ``"last"`` when an ``OnExceptionCheckpoint`` is present, and
     ``"last"`` picks the newest of those callbacks' ``ckpt_path`` files; this subclass is that public hook. Its
-    ``ckpt_path`` is a pointer meaning "the newest checkpoint that verifies"; the plugin resolves it at load
-    time, on every rank together, skipping partial or corrupt checkpoints with a warning. With nothing
-    committed yet it offers no path and training starts fresh.
-
-    It saves nothing on exceptions (the health callbacks handle emergency saves) and deletes nothing at the
-    end, unlike its base class. It also protects the checkpoints the restored ``ModelCheckpoint`` callbacks
-    still refer to (best-k, last) from retention.
+    ``ckpt_path`` means "the newest checkpoint that verifies": the plugin resolves it at load time, on every rank
+    together, skipping partial or corrupt checkpoints with a warning. With nothing committed yet it offers no
+    path and training starts fresh. It saves nothing on exceptions (the health callback makes the emergency
+    saves) and deletes nothing at the end, unlike its base class.
 
     Args:
         checkpoint_io: The plugin whose checkpoints to resume from; default: the one ``ResilientCheckpointIO``
@@ -43,15 +46,21 @@ class AutoResume(OnExceptionCheckpoint):
     """
 
     def __init__(self, checkpoint_io: ResilientCheckpointIO | None = None) -> None:
-        super().__init__(dirpath=".", filename="resume")
+        OnExceptionCheckpoint.__init__(self, dirpath=".", filename="resume")
         self._io = checkpoint_io
+        self._replay_seed_draws = False
         for pattern in _QUIET:
             warnings.filterwarnings("ignore", message=pattern)
 
     @property
     def io(self) -> ResilientCheckpointIO:
+        """The plugin given, else that of the Trainer asking (Lightning asks for ``ckpt_path`` from within
+        ``fit``), else the only one in the process."""
         if self._io is not None:
             return self._io
+        trainer = calling_trainer()
+        if trainer is not None and isinstance(trainer.strategy.checkpoint_io, ResilientCheckpointIO):
+            return trainer.strategy.checkpoint_io
         found = live_checkpoint_ios()
         if len(found) != 1:
             raise RuntimeError(
@@ -64,48 +73,47 @@ class AutoResume(OnExceptionCheckpoint):
     def ckpt_path(self) -> str | None:  # type: ignore[override]
         """Evaluated by Lightning before the process group exists, so it only reads storage (same on every rank)."""
         config = self.io.config
-        tiers = [Tier("local", config.local_root)]
+        tiers: list[Tier] = [LocalTier(config.local_root)]
         if config.durable_url:
-            tiers.append(Tier("durable", config.durable_url, config.storage_options))
-        if not catalog.candidates(tiers):
-            return None
-        path = os.path.join(config.local_root, "resume.ckpt")
-        write_pointer(path, self.io.pointer("latest"))
-        return path
+            tiers.append(DurableTier(config.durable_url, config.storage_options))
+        try:
+            found = catalog.candidates(tiers)
+        except ResilienceError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"AutoResume could not list the checkpoints ({type(exc).__name__}: {exc})") from exc
+        return write_resume_marker(self.io) if found else None
 
-    def on_exception(self, trainer: pl.Trainer, *_: Any, **__: Any) -> None:
-        """Nothing: a save started from one rank's exception handler would wait forever for the others."""
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """No save here (one started from one rank's exception handler would wait forever for the others)."""
+        SessionCallback.on_exception(self, trainer, pl_module, exception)
 
-    def teardown(self, trainer: pl.Trainer, *_: Any, **__: Any) -> None:
-        """Nothing: the base class would delete the newest checkpoint here."""
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Nothing deleted: the base class would delete the newest checkpoint here."""
+        SessionCallback.teardown(self, trainer, pl_module, stage)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, ModelCheckpoint) and callback.dirpath and os.path.isdir(callback.dirpath):
-                for name in os.listdir(callback.dirpath):  # every name it still has protects its checkpoint
-                    if name.endswith(ModelCheckpoint.FILE_EXTENSION):
-                        self.io.remember_alias(os.path.join(callback.dirpath, name))
+        super().on_train_start(trainer, pl_module)
         _warn_if_order_is_not_resumable(trainer)
-        pending = self.io.pending_rng
-        if pending is not None and pending.at_epoch_start:
-            # What the saved run did after its epoch's last step (validation, epoch-end hooks) comes next here
-            # too, so it starts from the same generator state.
-            restore_rng(pending.state)
+        self._replay_seed_draws = self.io.resumed_at_epoch_end and trainer.global_step > 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        pending = self.io.pending_rng
-        if pending is None:
-            return
-        self.io.pending_rng = None
-        if not pending.at_epoch_start:
-            restore_rng(pending.state)
-            return
-        # After validation, the saved run built each training loader's next-epoch iterator, and each drew a
-        # seed from the global generator; the resumed run built its iterators before on_train_start.
-        for loader in _loaders(trainer.train_dataloader):
-            if getattr(loader, "generator", None) is None:
-                torch.empty((), dtype=torch.int64).random_()
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._replay_seed_draws:
+            # After validation, the saved run built each training loader's next-epoch iterator, and each drew a
+            # seed from the global generator; the resumed run built its iterators before training started.
+            self._replay_seed_draws = False
+            for loader in _loaders(trainer.train_dataloader):
+                if getattr(loader, "generator", None) is None:
+                    torch.empty((), dtype=torch.int64).random_()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -118,12 +126,11 @@ def _warn_if_order_is_not_resumable(trainer: pl.Trainer) -> None:
     """
     loader = trainer.train_dataloader
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    if trainer.world_size > 1 and type(sampler).__name__ == "DistributedSamplerWrapper" and trainer.is_global_zero:
-        warnings.warn(
+    if trainer.world_size > 1 and type(sampler).__name__ == "DistributedSamplerWrapper":
+        rank_zero_warn(
             "AutoResume: the training data order cannot be resumed exactly mid-epoch under DDP with Lightning's "
             "distributed sampler wrapper. For exact resume, build the loader with torchdata's "
-            "StatefulDistributedSampler and set Trainer(use_distributed_sampler=False) (see docs/LIGHTNING.md)",
-            stacklevel=2,
+            "StatefulDistributedSampler and set Trainer(use_distributed_sampler=False) (see docs/LIGHTNING.md)"
         )
 
 

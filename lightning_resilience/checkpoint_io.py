@@ -1,29 +1,50 @@
-"""``ResilientCheckpointIO``: Lightning's CheckpointIO plugin, backed by the async sharded engine."""
+"""``ResilientCheckpointIO``: Lightning's CheckpointIO plugin, backed by the async sharded engine.
+
+Lightning hands a CheckpointIO only a dict and a path; it never says which Trainer is calling or whether a
+fit is running. Both matter here (a save inside ``fit()`` is asynchronous, one after it must be on disk when
+it returns, and the pack's own saves need the Trainer to build the state), so the plugin finds the Trainer
+in its caller's frames (``Trainer.save_checkpoint`` and the checkpoint connector are always there) and binds
+to it: that Trainer's loggers receive the pack's metrics and its hooks drive the training session.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
+import sys
 import time
 import weakref
 from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_resilience.lightning_state import merge_checkpoint, saved_at_epoch_end, split_checkpoint
-from lightning_resilience.pointer import Pointer, read_pointer, remove_pointer, write_pointer
-from lightning_resilience.resume_rng import PendingRNG
+from lightning_resilience.lightning_state import (
+    as_name,
+    drop_foreign_rank_state,
+    full_state,
+    is_weights_only,
+    merge_checkpoint,
+    saved_at_epoch_end,
+    split_checkpoint,
+)
+from lightning_resilience.names import NameWriter
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
-from resilience.config import OnUploadError, VerifyLevel, WhenBusy
-from resilience.rng import restore_rng
-from resilience.storage import STEP_DIR, Tier
+from resilience.config import OnUploadError, StagingBarrier, VerifyLevel, WhenBusy
+from resilience.layout import parse_step_dirname
+from resilience.session import TrainingSession
+from resilience.staging import barrier_for
+from resilience.storage import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
+RESUME_MARKER = "resume.ckpt"  # AutoResume's ckpt_path: "the newest committed checkpoint that verifies"
+_MARKER_FORMAT = "training-resilience/resume"
 
 
 class ResilientCheckpointIO(CheckpointIO):
@@ -31,27 +52,31 @@ class ResilientCheckpointIO(CheckpointIO):
 
     Each save is staged into reused host buffers (the only time the training loop waits), written by a
     background thread with torch.distributed.checkpoint into ``<local_root>/step-<global_step>/``, committed
-    by a manifest, and uploaded to ``durable_url``. The path Lightning asks for gets a small pointer file, so
-    ``ModelCheckpoint``'s naming, top-k and ``save_last`` work unchanged. Under DDP use
-    ``strategy="resilient_ddp"`` so every rank writes its part (see docs/LIGHTNING.md).
+    by a manifest, and uploaded to ``durable_url``. The path Lightning asks for becomes an ordinary Lightning
+    checkpoint file, written from the committed step in the background (``load_from_checkpoint``,
+    ``torch.load`` and Trainers without this plugin read it). A save outside ``fit()`` returns once committed
+    and its file written. Under DDP use ``strategy="resilient_ddp"`` so every rank writes its part.
 
     Args:
-        local_root: Fast tier directory (node-local disk, or shared storage).
+        local_root: Fast tier directory (node-local disk, or shared storage). One run per directory.
         durable_url: fsspec URL every node can reach (``s3://bucket/run``, ``gs://...``, ``file:///...``).
         storage_options: fsspec options for ``durable_url`` (endpoint, credentials); never logged.
-        keep_last: Newest checkpoints each tier keeps, at least 2; checkpoints a ``ModelCheckpoint`` name still
-            points to (its best-k) are kept on top.
+        keep_last: Newest checkpoints each tier keeps, at least 2.
         keep_every: Also keep every checkpoint whose global step is a multiple of this.
         async_staging: Copy to host memory in the background; waits just before the next optimizer step.
+        staging_barrier: With ``async_staging``: ``"auto"`` (``"forward"`` for models with BatchNorm running
+            statistics, else ``"optimizer_step"``), ``"optimizer_step"`` or ``"forward"``.
         when_busy: ``"wait"`` for, or ``"skip"`` a save due while the previous is still being written.
-        verify: What resume checks before trusting a checkpoint: ``"auto"`` (checksums of every file from the
-            local tier, sizes from the durable one), ``"size"`` or ``"full"``.
+        verify: What resume checks before trusting a checkpoint: ``"auto"`` and ``"full"`` (checksums of every
+            file of the copy it loads), or ``"size"`` (sizes, and checksums of the small files only).
         fsync: Flush files before the local commit.
         upload_concurrency: Files uploaded at once per rank.
         upload_retries: Retries per file (exponential backoff) before the upload fails.
+        upload_backoff_s: First retry delay, doubling per attempt.
         on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` keeps training on the local tier.
         allow_pickle: Allow loading values that had to be pickled (e.g. custom objects in ``hyper_parameters``).
         local_shared: Whether ``local_root`` is one file system all nodes see (default: only on a single host).
+        collective_timeout_s: Timeout of the checkpoint collectives' gloo groups.
     """
 
     def __init__(
@@ -62,63 +87,95 @@ class ResilientCheckpointIO(CheckpointIO):
         keep_last: int = 3,
         keep_every: int | None = None,
         async_staging: bool = False,
+        staging_barrier: StagingBarrier = "auto",
         when_busy: WhenBusy = "wait",
         verify: VerifyLevel = "auto",
         fsync: bool = True,
         upload_concurrency: int = 8,
         upload_retries: int = 5,
+        upload_backoff_s: float = 0.5,
         on_upload_error: OnUploadError = "raise",
         allow_pickle: bool = False,
         local_shared: bool | None = None,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         self.config = CheckpointConfig(
-            local_root=os.path.abspath(local_root),
+            local_root=LocalTier(local_root).root,
             durable_url=durable_url,
             storage_options=dict(storage_options or {}),
             keep_last=keep_last,
             keep_every=keep_every,
             async_staging=async_staging,
+            staging_barrier=staging_barrier,
             when_busy=when_busy,
             verify=verify,
             fsync=fsync,
             upload_concurrency=upload_concurrency,
             upload_retries=upload_retries,
+            upload_backoff_s=upload_backoff_s,
             on_upload_error=on_upload_error,
             allow_pickle=allow_pickle,
             local_shared=local_shared,
+            collective_timeout_s=collective_timeout_s,
         )
+        if _first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
+            LocalTier(self.config.local_root).check_writable()
+            if durable_url:
+                DurableTier(durable_url, self.config.storage_options).check_writable()
+        self._trainer: pl.Trainer | None = None
         self._manager: CheckpointManager | None = None
-        self._aliases: dict[str, int] = {}
-        self._aliases_lock = threading.Lock()
-        self.collective = False  # set by ResilientDDPStrategy, which calls save on every rank
-        self.pending_rng: PendingRNG | None = None
-        self.stall_s = 0.0  # training-thread time spent in saves so far (for goodput accounting)
-        self.last_restore: tuple[int, float] | None = None  # (step, seconds) of the last load
-        self.listeners: list[Any] = []
+        self._session: TrainingSession | None = None
+        self._names: NameWriter | None = None
+        self.resumed_at_epoch_end = False
         _LIVE.add(self)
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
-    @property
-    def manager(self) -> CheckpointManager:
-        """The engine, created on first use; creation is collective, like every save and load that uses it."""
+    def bind(self, trainer: pl.Trainer) -> TrainingSession:
+        """The training session of ``trainer``: collective the first time (every rank), like saves and loads.
+
+        The engine lives as long as the plugin (saves after ``fit()`` continue the same run); each Trainer
+        that uses the plugin gets a session of its own, whose metrics go to that Trainer's loggers.
+        """
+        if self._session is not None and self._trainer is trainer and not self._session.ended:
+            return self._session
+        self._close_session(None)
+        manager = self._engine(trainer)
+        session = TrainingSession(manager, lambda step: full_state(trainer), is_main=trainer.is_global_zero)
+        session.add_sink(lambda metrics: _log(trainer, metrics))
+        self._trainer, self._session = trainer, session
+        return session
+
+    def _engine(self, trainer: pl.Trainer) -> CheckpointManager:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self._manager is not None and (self._manager.closed or self._manager.world_size != world):
+            self._manager.close()
+            self._manager = self._names = None
         if self._manager is None:
-            self._manager = CheckpointManager(self.config, self.listeners, protected_steps=self._referenced_steps)
+            model = trainer.lightning_module
+            config = barrier_for(self.config, [model] if model is not None else [])
+            self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
+            if self._manager.rank == 0:
+                self._names = NameWriter(self._manager.local, as_name, allow_pickle=self.config.allow_pickle)
+                self._names.repair(self._manager.committed_steps())
         return self._manager
 
-    def _referenced_steps(self) -> set[int]:
-        with self._aliases_lock:
-            return set(self._aliases.values())
+    @property
+    def session(self) -> TrainingSession:
+        if self._session is None:
+            trainer = calling_trainer()
+            if trainer is None:
+                raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
+            self.bind(trainer)
+        assert self._session is not None
+        return self._session
 
-    def remember_alias(self, path: _PATH) -> None:
-        """Protect the checkpoint a pointer (from an earlier run) names, e.g. a restored best-k path."""
-        pointer = read_pointer(path)
-        if pointer is not None and pointer.step is not None:
-            with self._aliases_lock:
-                self._aliases[os.fspath(path)] = pointer.step
+    @property
+    def manager(self) -> CheckpointManager:
+        return self.session.manager
 
-    def pointer(self, select: str = "latest", step: int | None = None) -> Pointer:
-        return Pointer(select, step, self.config.local_root, self.config.durable_url)  # type: ignore[arg-type]
+    def _protected_steps(self) -> set[int]:
+        return self._names.pending_steps() if self._names is not None else set()
 
     # ---- CheckpointIO ---------------------------------------------------------------------------------------
 
@@ -128,74 +185,187 @@ class ResilientCheckpointIO(CheckpointIO):
                 "ResilientCheckpointIO does not take storage_options per save; configure durable_url and "
                 "storage_options on the plugin instead"
             )
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not self.collective:
+        trainer = calling_trainer() or self._trainer
+        if (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+            and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False)
+        ):
             raise RuntimeError(
                 "ResilientCheckpointIO was called on one rank only: with several processes use "
                 "strategy='resilient_ddp' (or ResilientDDPStrategy), which lets every rank write its part"
             )
-        start = time.perf_counter()
+        session = self.bind(trainer) if trainer is not None else self.session
         step = int(checkpoint.get("global_step", 0))
-        manager = self.manager
-        if not manager.has_step(step):  # a second name for a step already saved only gets a pointer
-            shared, rank_state = split_checkpoint(checkpoint)
-            extra = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
-            manager.save(step, shared, rank_state, extra=extra)
-        with self._aliases_lock:
-            self._aliases[os.fspath(path)] = step
-        if manager.rank == 0:
-            write_pointer(path, self.pointer("step", step))
-        self.stall_s += time.perf_counter() - start
+        with session.blocking():
+            handle = session.manager.saved(step)
+            if handle is None:
+                # a weights-only name is cut from a full checkpoint of its step, which also serves a resume
+                if is_weights_only(checkpoint) and trainer is not None:
+                    state = full_state(trainer)
+                else:
+                    state = split_checkpoint(checkpoint)
+                handle = session.save(step, state, reason="named")
+            name = None
+            if self._names is not None and handle is not None:
+                name = self._names.add(os.fspath(path), step, list(checkpoint), handle, session.manager.run_id)
+            if not _fitting(trainer):  # nothing to overlap with: the file is there when the call returns
+                if handle is not None:
+                    handle.committed.result()
+                if name is not None:
+                    name.result()
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        pointer = read_pointer(path)
-        step: int | None
-        if pointer is not None:
-            self._check_same_run(path, pointer)
-            step = pointer.step if pointer.select == "step" else None
-        elif (match := STEP_DIR.match(os.path.basename(os.fspath(path).rstrip("/")))) is not None:
-            step = int(match.group(1))
-        else:  # a plain Lightning checkpoint, e.g. to start fine-tuning from
-            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        step, plain = self._resolve(os.fspath(path))
+        if plain is not None:  # an ordinary Lightning checkpoint, e.g. to start fine-tuning from
+            return TorchCheckpointIO().load_checkpoint(plain, map_location=map_location, weights_only=weights_only)
         start = time.perf_counter()
-        restored = self.manager.load(step=step)
+        session = self.session
+        manager = session.manager
+        restored = manager.load(step=step)
         if restored is None:
             raise NoCheckpointError(
                 f"No committed checkpoint verifies under {self.config.local_root}"
                 f"{' or ' + self.config.durable_url if self.config.durable_url else ''}: "
                 "start without ckpt_path, or run `resilience ls` to see what is there"
             )
-        self.pending_rng = None
-        if restored.rank_state is not None:
-            rng = restored.rank_state["rng"]
-            restore_rng(rng)  # AutoResume re-applies it at the exact point the saved run had reached
-            self.pending_rng = PendingRNG(rng, saved_at_epoch_end(restored.state))
-        self.last_restore = (restored.step, time.perf_counter() - start)
-        log.info("restored step %s from the %s tier (%s)", restored.step, restored.tier, restored.path)
-        return merge_checkpoint(restored.state, restored.rank_state)
+        where = f"step {restored.step} ({restored.path})"
+        rank_state = drop_foreign_rank_state(
+            restored.rank_state, restored.manifest.world_size, manager.world_size, where
+        )
+        self.resumed_at_epoch_end = saved_at_epoch_end(restored.state)
+        rng = rank_state["rng"] if rank_state is not None else None
+        if rng is not None:
+            from resilience.rng import restore_rng
 
-    def _check_same_run(self, path: _PATH, pointer: Pointer) -> None:
-        ours = Tier("local", self.config.local_root).root
-        if Tier("local", pointer.local_root).root != ours and pointer.durable_url != self.config.durable_url:
-            raise ValueError(
-                f"{path} points to checkpoints under {pointer.local_root} / {pointer.durable_url}, but this "
-                f"plugin uses {self.config.local_root} / {self.config.durable_url}: configure the plugin with "
-                "that run's local_root and durable_url to load it"
-            )
+            restore_rng(rng)  # now, and again where the saved run stood (AutoResume and the session do that)
+        session.restored(
+            restored,
+            time.perf_counter() - start,
+            rng=rng,
+            rng_at="start" if self.resumed_at_epoch_end else "next_batch",
+        )
+        checks = "every file's checksum" if self.config.verify != "size" else "sizes and small files' checksums"
+        rank_zero_info(
+            f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}), verified: {checks}"
+        )
+        return merge_checkpoint(restored.state, rank_state)
+
+    def _resolve(self, path: str) -> tuple[int | None, str | None]:
+        """(step to load from the engine, None) or (None, path of a plain file to load as Lightning would)."""
+        if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
+            return None, None
+        step = parse_step_dirname(path)
+        if step is not None and os.path.isdir(path):
+            return step, None
+        names = self._names if self._names is not None else self._peek_names()
+        name = names.lookup(path) if names is not None else None
+        pending = names.pending(path) if names is not None else None
+        if pending is not None:
+            pending.result()  # a save of this path is in flight: load what it writes, once it is written
+        if name is not None and not is_weights_only(dict.fromkeys(name.keys)):
+            return name.step, None  # the engine's copy: verified, and every rank's own state
+        if os.path.exists(os.path.realpath(path)) or "://" in path:
+            return None, path
+        if name is not None:
+            rank_zero_warn(f"{path} was never written (its process ended first); loading step {name.step}")
+            return name.step, None
+        raise FileNotFoundError(f"Checkpoint {path} does not exist: pass an existing file, or ckpt_path='last'")
+
+    def _peek_names(self) -> NameWriter | None:
+        """The name record, read-only, where this process writes no names (other ranks look up steps in it)."""
+        try:
+            return NameWriter(LocalTier(self.config.local_root), as_name, allow_pickle=self.config.allow_pickle)
+        except OSError:
+            return None
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Remove the name only; the data goes once no name refers to it and retention allows (never mid-save)."""
-        with self._aliases_lock:
-            self._aliases.pop(os.fspath(path), None)
-        remove_pointer(path)
+        """Remove the name (its file); the step stays until retention, which never deletes one mid-save."""
+        if self._names is not None:
+            self._names.forget(os.fspath(path))
+        elif os.path.exists(path):
+            os.remove(path)
 
     def teardown(self) -> None:
-        """Wait for in-flight saves and uploads, and raise their failures, before the Trainer exits."""
-        if self._manager is not None:
-            manager, self._manager = self._manager, None
-            manager.close()
+        """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits."""
+        self._close_session(None)
+
+    def _close_session(self, failure: BaseException | None) -> None:
+        """End the session (ledger, monitors); the engine is drained, and stays for saves after training."""
+        session, self._session = self._session, None
+        if session is None or session.ended:
+            return
+        try:
+            if self._names is not None:
+                self._names.wait()
+        finally:
+            session.end(failure, close_manager=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A Trainer is picklable (``torch.save(trainer)``): the settings travel, the engine's threads do not."""
+        state = dict(self.__dict__)
+        state.update(_trainer=None, _manager=None, _session=None, _names=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _LIVE.add(self)
 
 
 def live_checkpoint_ios() -> list[ResilientCheckpointIO]:
     return list(_LIVE)
+
+
+def write_resume_marker(io: ResilientCheckpointIO) -> str:
+    path = os.path.join(io.config.local_root, RESUME_MARKER)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as stream:
+        stream.write(f'{{"format": "{_MARKER_FORMAT}"}}\n')
+    os.replace(tmp, path)
+    return path
+
+
+def _is_marker(path: str) -> bool:
+    try:
+        with open(path) as stream:
+            return _MARKER_FORMAT in stream.read(256)
+    except OSError:
+        return False
+
+
+def calling_trainer() -> pl.Trainer | None:
+    """The Trainer whose save or load is running (``Trainer.save_checkpoint``, the checkpoint connector)."""
+    frame = sys._getframe(1)
+    for _ in range(30):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, pl.Trainer):
+            return owner
+        trainer = getattr(owner, "trainer", None) if owner is not None else None
+        if isinstance(trainer, pl.Trainer):
+            return trainer
+    return None
+
+
+def _fitting(trainer: pl.Trainer | None) -> bool:
+    return (
+        trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+    )
+
+
+def _first_process_of_node() -> bool:
+    return all(os.environ.get(name, "0") in ("", "0") for name in ("LOCAL_RANK", "SLURM_LOCALID"))
+
+
+def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Every logger, at the step Lightning's own rows of this moment use (LearningRateMonitor's way)."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)

@@ -1,21 +1,30 @@
-"""Lightning's checkpoint dict, split into what all ranks share and what each rank owns.
+"""Lightning's checkpoint dict, split into what all ranks share and what each rank owns, and back.
 
-Lightning builds the checkpoint dict on every rank but historically writes only rank 0's, so the data loader
-position of the other ranks is lost. Here the loader states (``loops.fit_loop.state_dict.combined_loader``)
-and the RNG state go into the per-rank part; everything else is the shared part, identical across DDP ranks.
+Lightning builds the checkpoint dict on every rank but writes only rank 0's, so the data loader position of the
+other ranks is lost. Here the loader states (``loops.fit_loop.state_dict.combined_loader``) and the RNG state
+go into the per-rank part; everything else is the shared part, identical across DDP ranks.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import lightning.pytorch as pl
+
 from resilience.rng import capture_rng
+from resilience.session import SaveState
 
 _LOADER_PATH = ("loops", "fit_loop", "state_dict", "combined_loader")
+WEIGHTS_ONLY_MISSING = ("optimizer_states", "callbacks")  # keys a weights-only dump leaves out
 
 
-def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(shared state, this rank's state); the caller's dict is not modified."""
+def is_weights_only(checkpoint: dict[str, Any]) -> bool:
+    return not any(key in checkpoint for key in WEIGHTS_ONLY_MISSING)
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> SaveState:
+    """(shared state, this rank's state, manifest extras); the caller's dict is not modified."""
     shared = dict(checkpoint)
     loaders = None
     node: dict[str, Any] = shared
@@ -29,7 +38,13 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     else:
         loaders = node.pop(_LOADER_PATH[-1], None)
     rank_state = {"rng": capture_rng(), "combined_loader": loaders}
-    return shared, rank_state
+    extra = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
+    return SaveState(shared, rank_state, {"adapter": "lightning", **extra})
+
+
+def full_state(trainer: pl.Trainer) -> SaveState:
+    """What the session saves on its own (interval and emergency saves): everything a resume needs."""
+    return split_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
 
 
 def merge_checkpoint(shared: dict[str, Any], rank_state: dict[str, Any] | None) -> dict[str, Any]:
@@ -44,6 +59,26 @@ def merge_checkpoint(shared: dict[str, Any], rank_state: dict[str, Any] | None) 
         node = node.setdefault(key, {})
     node[_LOADER_PATH[-1]] = loaders
     return shared
+
+
+def as_name(shared: dict[str, Any], rank0_state: dict[str, Any] | None, keys: list[str]) -> dict[str, Any]:
+    """The dict a ``.ckpt`` file holds, as Lightning would have written it: rank 0's loader state, and only
+    the top-level keys the save asked for (a weights-only save asks for fewer)."""
+    checkpoint = merge_checkpoint(dict(shared), rank0_state)
+    return {key: checkpoint[key] for key in keys if key in checkpoint}
+
+
+def drop_foreign_rank_state(rank_state: Any, saved_world: int, world: int, where: str) -> Any:
+    """Per-rank state (RNG, loader position) of another world size does not fit this one: drop it, say so."""
+    if saved_world == world:
+        return rank_state
+    warnings.warn(
+        f"{where} was saved by {saved_world} processes and this run has {world}: the model, optimizers and "
+        "schedulers are restored (resharded), but each rank's RNG and data loader position start afresh "
+        "(the interrupted epoch is replayed from its start)",
+        stacklevel=3,
+    )
+    return None
 
 
 def _finished(state: Any) -> Any:

@@ -13,7 +13,6 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
 
@@ -26,6 +25,7 @@ class ResilientDDPStrategy(DDPStrategy):
     """
 
     strategy_name = "resilient_ddp"
+    saves_on_every_rank = True  # what ResilientCheckpointIO checks before a collective save
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("start_method", "popen") != "popen":
@@ -54,12 +54,10 @@ class ResilientDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank writes its shards; rank 0's name for the checkpoint is the one all ranks use
         filepath = self.broadcast(filepath)
-        io = self.checkpoint_io
-        io.collective = True
-        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="DDP whose checkpoint saves are async and written by every rank"
         )

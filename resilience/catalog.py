@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from resilience.errors import CorruptCheckpointError
-from resilience.manifest import MANIFEST_NAME, FileEntry, Manifest, hash_stream
+from resilience.layout import MANIFEST
+from resilience.manifest import FileEntry, Manifest, hash_stream
 from resilience.storage import Tier
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def scan(tier: Tier) -> list[Entry]:
     """Every step directory of ``tier``, newest first, with its manifest parsed and validated."""
     entries = []
     for step, path in sorted(tier.list_steps().items(), reverse=True):
-        manifest_path = f"{path}/{MANIFEST_NAME}"
+        manifest_path = f"{path}/{MANIFEST}"
         try:
             data = tier.read_bytes(manifest_path)
         except FileNotFoundError:

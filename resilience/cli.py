@@ -1,17 +1,35 @@
-"""The ``resilience`` command: look at and check checkpoints without starting a training job."""
+"""The ``resilience`` command: look at and check checkpoints without starting a training job.
+
+Exit codes (also in ``resilience --help``): 0 success; 1 a check failed (a checkpoint does not verify, or a
+step to upload is not committed); 2 usage error (bad arguments); 3 nothing found where a checkpoint root or a
+run was named; 4 any other error (unreadable storage, bad settings).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from resilience import catalog
+from resilience import __version__, catalog
 from resilience.errors import ResilienceError
-from resilience.storage import Tier
+from resilience.layout import MANIFEST, parse_step_dirname
+from resilience.storage import DurableTier, LocalTier, Tier
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
+EXIT_CODES = (
+    "exit codes: 0 success; 1 a check failed; 2 usage error; 3 no checkpoint root or run found there; "
+    "4 other error (storage, settings)"
+)
+
+
+class NotFound(ResilienceError):
+    """A named root or run does not exist (exit code 3)."""
 
 
 def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -27,41 +45,70 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def _tiers(args: argparse.Namespace) -> list[Tier]:
+def _tier(root: str, options: dict[str, Any]) -> Tier:
+    """A root given on the command line: a directory, or a URL; it must exist."""
+    tier: Tier = DurableTier(root, options, setting="ROOT") if "://" in root else LocalTier(root, setting="ROOT")
+    tier.check_readable()
+    if not tier.exists(tier.root):
+        raise NotFound(f"{root} does not exist: give a checkpoint root (the local_root or durable_url of a run)")
+    return tier
+
+
+def _tiers(args: argparse.Namespace) -> list[tuple[Tier, int | None]]:
+    """Each root as (tier, step): a ``step-<N>`` directory stands for that step of its parent root."""
     options = _storage_options(args.storage_option)
-    tiers = []
+    found: list[tuple[Tier, int | None]] = []
     for root in args.roots:
-        tier = Tier("local" if "://" not in root else "durable", root, options)
-        tier.check_readable()
-        tiers.append(tier)
-    return tiers
+        text = root.rstrip("/")
+        step = parse_step_dirname(text)
+        if step is not None and _is_step_dir(text, options):
+            found.append((_tier(text.rsplit("/", 1)[0] or "/", options), step))
+        else:
+            found.append((_tier(text, options), None))
+    return found
+
+
+def _is_step_dir(path: str, options: dict[str, Any]) -> bool:
+    """A ``step-<N>`` folder itself (not a root that happens to be named like one: it would hold step dirs)."""
+    if "://" in path:
+        tier = DurableTier(path, options, setting="ROOT")
+        return tier.exists(f"{tier.root}/{MANIFEST}") or not tier.list_steps()
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, MANIFEST)) or not LocalTier(path).list_steps())
+
+
+def _entries(args: argparse.Namespace) -> list[tuple[Tier, catalog.Entry]]:
+    return [
+        (tier, entry)
+        for tier, only in _tiers(args)
+        for entry in catalog.scan(tier)
+        if only is None or entry.step == only
+    ]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
-    for tier in _tiers(args):
-        for entry in catalog.scan(tier):
-            manifest = entry.manifest
-            rows.append(
-                {
-                    "step": entry.step,
-                    "committed": manifest is not None,
-                    "scope": None if manifest is None else ("all ranks" if manifest.is_global else "node"),
-                    "world_size": None if manifest is None else manifest.world_size,
-                    "bytes": sum(tier.file_sizes(entry.path).values()) if manifest is None else manifest.total_bytes,
-                    "created": None if manifest is None else _iso(manifest.created_unix),
-                    "tier": tier.name,
-                    "path": tier.display(entry.path),
-                    "problem": entry.problem,
-                }
-            )
+    for tier, entry in _entries(args):
+        manifest = entry.manifest
+        rows.append(
+            {
+                "step": entry.step,
+                "committed": manifest is not None,
+                "scope": None if manifest is None else ("all ranks" if manifest.is_global else "node"),
+                "world_size": None if manifest is None else manifest.world_size,
+                "bytes": sum(tier.file_sizes(entry.path).values()) if manifest is None else manifest.total_bytes,
+                "created": None if manifest is None else _iso(manifest.created_unix),
+                "tier": tier.name,
+                "path": tier.display(entry.path),
+                "problem": entry.problem,
+            }
+        )
     rows.sort(key=lambda r: (-r["step"], r["tier"]))
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return EXIT_OK
     if not rows:
         print("no checkpoints found")
-        return 0
+        return EXIT_OK
     print(f"{'STEP':>8}  {'STATUS':<11}  {'WORLD':>5}  {'SIZE':>10}  {'CREATED':<20}  {'TIER':<7}  PATH")
     for r in rows:
         status = "committed" if r["committed"] else "incomplete"
@@ -69,19 +116,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {_size(r['bytes']):>10}  "
             f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
-    return 0
+    return EXIT_OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    entries = [e for tier in _tiers(args) for e in catalog.scan(tier)]
+    entries = [entry for _, entry in _entries(args)]
     if args.step is not None:
         entries = [e for e in entries if e.step == args.step]
         if not entries:
             print(f"FAIL no checkpoint of step {args.step} under {', '.join(args.roots)}")
-            return 1
+            return EXIT_NOT_FOUND
     elif not entries:
         print(f"FAIL no checkpoints under {', '.join(args.roots)}")
-        return 1
+        return EXIT_NOT_FOUND
     failed = 0
     for entry in entries:
         progress = _progress_printer(entry.where()) if args.progress else None
@@ -93,22 +140,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         assert entry.manifest is not None
         print(f"OK   {entry.where()}: {len(entry.manifest.files)} files, {_size(entry.manifest.total_bytes)}")
-    return 1 if failed else 0
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from resilience.goodput.ledger import ledger_dir
     from resilience.goodput.report import run_report  # keeps `ls` and `verify` from loading the report code
 
+    run_dir = args.run_dir
+    if not os.path.isdir(run_dir) or not (
+        any(ledger_dir(run_dir).glob("incarnation-*.jsonl")) or any(Path(run_dir).glob("incarnation-*.jsonl"))
+    ):
+        raise NotFound(f"no goodput ledger under {run_dir}: give the run directory that holds goodput/")
     return run_report(args.run_dir, as_json=args.json, plot=args.plot)
 
 
 def cmd_upload(args: argparse.Namespace) -> int:
     """Upload committed local checkpoints the durable tier lacks (e.g. when a crash cut an upload short)."""
-    from resilience.manifest import MANIFEST_NAME
     from resilience.transfer import RetryPolicy, commit_durable, upload_files
 
-    local = Tier("local", args.root)
-    durable = Tier("durable", args.url, _storage_options(args.storage_option))
+    local = _tier(args.root, {})
+    durable = DurableTier(args.url, _storage_options(args.storage_option), setting="URL")
     durable.check_writable()
     there = {e.step for e in catalog.scan(durable) if e.committed}
     todo = [
@@ -122,7 +174,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
     if args.step is not None and not todo:
         state = "is already committed there" if args.step in there else "is not a committed checkpoint here"
         print(f"step {args.step} {state}")
-        return 0 if args.step in there else 1
+        return EXIT_OK if args.step in there else EXIT_FAILED
     for entry in sorted(todo, key=lambda e: e.step):
         assert entry.manifest is not None
         catalog.verify(entry, full=True)  # never spread a corrupt checkpoint to the durable tier
@@ -137,13 +189,11 @@ def cmd_upload(args: argparse.Namespace) -> int:
             policy=RetryPolicy(args.retries),
             on_bytes=on_bytes,
         )
-        commit_durable(
-            durable, entry.step, local.read_bytes(f"{entry.path}/{MANIFEST_NAME}"), RetryPolicy(args.retries)
-        )
+        commit_durable(durable, entry.step, local.read_bytes(f"{entry.path}/{MANIFEST}"), RetryPolicy(args.retries))
         print(f"OK   step {entry.step} committed in {durable.display(durable.step_path(entry.step))}: {_size(total)}")
     if not todo:
         print(f"nothing to upload: every committed checkpoint under {local.url} is already in {durable.url}")
-    return 0
+    return EXIT_OK
 
 
 def _counter(total: int, show: Callable[[int, int], None] | None) -> Callable[[int], None]:
@@ -185,7 +235,12 @@ def _size(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="resilience", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="resilience",
+        description=(__doc__ or "").split("\n\n")[0],
+        epilog=EXIT_CODES,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (training-resilience)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def with_roots(p: argparse.ArgumentParser) -> None:
@@ -232,12 +287,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors exit 2 here (argparse)
     try:
         return int(args.func(args))
+    except NotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_NOT_FOUND
     except ResilienceError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except BrokenPipeError:  # `resilience report --json | head`: the reader left, which is fine
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

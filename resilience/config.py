@@ -11,7 +11,7 @@ from resilience.errors import ConfigError
 WhenBusy = Literal["wait", "skip"]
 VerifyLevel = Literal["auto", "size", "full"]
 OnUploadError = Literal["raise", "warn"]
-StagingBarrier = Literal["optimizer_step", "forward"]
+StagingBarrier = Literal["auto", "optimizer_step", "forward"]
 
 
 @dataclass
@@ -34,8 +34,9 @@ class CheckpointConfig:
             ``optimizer.step()`` (of any optimizer) first waits for it, through a global optimizer pre-step hook
             that exists only while a copy is pending; callers may also call ``wait_for_staging()`` themselves.
         staging_barrier: Where that wait happens: ``"optimizer_step"`` (copy overlaps forward and backward;
-            the torchtitan pattern) or ``"forward"`` (before the next module forward, for models whose forward
-            changes saved state, such as BatchNorm running statistics).
+            the torchtitan pattern), ``"forward"`` (before the next module forward, for models whose forward
+            changes saved state, such as BatchNorm running statistics), or ``"auto"``: ``"forward"`` when the
+            framework adapter sees such a module in the model, else ``"optimizer_step"``.
         pin_memory: Page-lock the host buffers (default: when the state holds CUDA tensors).
         fsync: Flush shards and manifest to stable storage before the local commit.
         write_threads: Files per rank written in parallel by DCP.
@@ -61,7 +62,7 @@ class CheckpointConfig:
     keep_every: int | None = None
     when_busy: WhenBusy = "wait"
     async_staging: bool = False
-    staging_barrier: StagingBarrier = "optimizer_step"
+    staging_barrier: StagingBarrier = "auto"
     pin_memory: bool | None = None
     fsync: bool = True
     write_threads: int = 1
@@ -87,7 +88,7 @@ class CheckpointConfig:
             raise ConfigError(f"keep_every={self.keep_every}: use a positive step count, or None for no milestones")
         _check_choice("when_busy", self.when_busy, ("wait", "skip"))
         _check_choice("verify", self.verify, ("auto", "size", "full"))
-        _check_choice("staging_barrier", self.staging_barrier, ("optimizer_step", "forward"))
+        _check_choice("staging_barrier", self.staging_barrier, ("auto", "optimizer_step", "forward"))
         _check_choice("on_upload_error", self.on_upload_error, ("raise", "warn"))
         for name in ("write_threads", "upload_concurrency"):
             if getattr(self, name) < 1:

@@ -1,16 +1,22 @@
-"""Process groups for checkpoint collectives, and collectives that degrade to no-ops in one process.
+"""Process groups for checkpoint collectives, and the one way ranks agree on an outcome.
 
 Checkpoint collectives run on gloo groups of their own, one per thread that issues them: the training thread
 (control), the writer thread and the uploader thread. Collectives on the training job's default group from a
 background thread deadlock against the job's own all-reduces, and two threads sharing one group can
 interleave their collectives differently on different ranks.
+
+Every decision ranks must take together goes through :meth:`Channel.agree` (every rank runs a step, then all
+learn every outcome and either all go on or all raise the first failing rank's error) or
+:meth:`Channel.decide` (one rank decides, all get the answer or its error). A collective that itself fails (a
+peer died, a timeout) marks the channel broken: later calls fail at once instead of waiting out a timeout.
 """
 
 from __future__ import annotations
 
+import pickle
 import socket
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -18,6 +24,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from resilience.errors import CheckpointError, GroupBrokenError, describe
 
 T = TypeVar("T")
 
@@ -70,53 +78,148 @@ def share_of_replicated(tensors: Mapping[str, torch.Tensor], rank: int, world_si
     return mine
 
 
-class Channel:
-    """Collectives over one gloo group, or trivial answers when there is only one process."""
+@dataclass(frozen=True)
+class _Outcome:
+    """What one rank's part of an agreed step came to: a value, or an error (pickled if it can be)."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    ok: bool
+    value: Any = None
+    error: bytes | None = None
+    text: str = ""
+
+
+class Channel:
+    """Collectives over one gloo group, or trivial answers when there is only one process.
+
+    Args:
+        group: The gloo group, or None in a single process.
+        name: What the channel is for, in error messages ("checkpoint writer", ...).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, name: str = "checkpoint"):
         self.group = group
+        self.name = name
+        self.broken: str | None = None
 
     @property
     def active(self) -> bool:
         return self.group is not None
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+    # ---- agreement -----------------------------------------------------------------------------------------
+
+    def agree(self, step: Callable[[], T]) -> list[T]:
+        """Run ``step`` here, then learn every rank's outcome; raise on every rank if it failed on any.
+
+        The rank that failed raises its own exception; the others raise that rank's exception too (its own
+        type and message, or a :class:`CheckpointError` naming the rank when it cannot be sent). Returns every
+        rank's value, in rank order.
+        """
+        try:
+            outcome = _Outcome(True, step())
+        except Exception as exc:
+            mine: Exception | None = exc
+            outcome = _Outcome(False, error=_pickled(exc), text=describe(exc))
+        else:
+            mine = None
+        outcomes = self.all_gather(outcome)
+        if mine is not None:
+            raise mine
+        for rank, other in enumerate(outcomes):
+            if not other.ok:
+                raise _revive(other, rank)
+        return [o.value for o in outcomes]
+
+    def decide(self, choose: Callable[[], T], src: int = 0) -> T:
+        """Run ``choose`` on rank ``src`` only and give every rank its answer, or raise its error everywhere."""
+        outcome: _Outcome | None = None
+        if self.rank == src:
+            try:
+                outcome = _Outcome(True, choose())
+            except Exception as exc:
+                outcome = _Outcome(False, error=_pickled(exc), text=describe(exc))
+        received = self.broadcast(outcome, src)
+        assert received is not None
+        if not received.ok:
+            raise _revive(received, src)
+        return received.value
+
+    # ---- plain collectives ---------------------------------------------------------------------------------
+
     def all_gather(self, obj: T) -> list[T]:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
+        self._run(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         if self.group is None:
             return obj
         box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        self._run(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
     def max(self, values: list[int]) -> list[int]:
-        """Element-wise maximum across ranks: one small tensor all-reduce, cheap enough for every save."""
+        """Element-wise maximum across ranks: one small tensor all-reduce, cheap enough for every step."""
         if self.group is None:
             return list(values)
         tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        self._run(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group))
         return [int(v) for v in tensor.tolist()]
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            self._run(lambda: dist.barrier(group=self.group))
+
+    def _run(self, collective: Callable[[], object]) -> None:
+        if self.broken is not None:
+            raise GroupBrokenError(f"The {self.name} group is broken ({self.broken}); no rank waits on it any more")
+        try:
+            collective()
+        except Exception as exc:
+            self.broken = describe(exc)
+            raise GroupBrokenError(
+                f"The {self.name} group broke ({self.broken}): another rank died, hung or left; this rank stops "
+                "using the group"
+            ) from exc
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+    except Exception:
+        return None
+    return data
+
+
+def _revive(outcome: _Outcome, rank: int) -> Exception:
+    if outcome.error is not None:
+        exc = pickle.loads(outcome.error)
+        if isinstance(exc, Exception):
+            return exc
+    return CheckpointError(f"Failed on rank {rank}: {outcome.text}", rank=rank)
 
 
 class Groups:
-    """The three checkpoint channels; creating them is collective, so every rank must construct this."""
+    """The checkpoint channels; creating them is collective, so every rank must construct this."""
 
     def __init__(self, timeout_s: float):
+        names = ("checkpoint control", "checkpoint writer", "checkpoint upload")
         if is_distributed():
             timeout = timedelta(seconds=timeout_s)
-            groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in range(3)]
+            groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in names]
             self.topology = Topology(dist.get_rank(), dist.get_world_size(), [])
         else:
-            groups = [None, None, None]
+            groups = [None] * len(names)
             self.topology = Topology(0, 1, [])
-        self.control, self.writer, self.upload = (Channel(g) for g in groups)
+        self.control, self.writer, self.upload = (Channel(g, n) for g, n in zip(groups, names, strict=True))
         self.topology.hosts = self.control.all_gather(socket.gethostname())

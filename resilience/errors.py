@@ -47,6 +47,14 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint's manifest or files do not match: missing, truncated, altered or hostile."""
 
 
+class IncompatibleStateError(CheckpointError):
+    """A checkpoint is sound but does not fit what it is loaded into (other keys, other objects): a user error."""
+
+
+class GroupBrokenError(CheckpointError):
+    """A checkpoint collective failed (a peer died, hung or left); the group is not used again."""
+
+
 class NoCheckpointError(ResilienceError, FileNotFoundError):
     """No committed checkpoint that verifies was found where one was asked for."""
 

@@ -25,21 +25,11 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from resilience.catalog import Entry
-from resilience.errors import CheckpointError, CorruptCheckpointError
+from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
+from resilience.layout import DCP_METADATA, STATE_FILE, rank_state_file
 from resilience.manifest import Manifest, hash_bytes
 from resilience.storage import Tier
 from resilience.tree import flatten, tensor_keys, unflatten
-
-DCP_METADATA = ".metadata"
-STATE_FILE = "state.json"
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank-{rank}.json"
-
-
-def rank_prefix(rank: int) -> str:
-    return f"__rank{rank}__/"
 
 
 @dataclass
@@ -230,7 +220,7 @@ def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = T
     given = flatten(target).tensors if target is not None else {}
     missing = [key for key in given if key not in metadata.state_dict_metadata]
     if missing:
-        raise CheckpointError(
+        raise IncompatibleStateError(
             f"{entry.where()} has no tensor for {len(missing)} key(s) of the target, e.g. {missing[:3]}: "
             "load into a state with the same structure as the saved one",
             step=entry.step,
@@ -260,10 +250,25 @@ def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, a
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"Reading {entry.where()} failed: {exc}", step=entry.step, tier=entry.tier.name) from exc
+        # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
+        kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
+        raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
     where = entry.where()
     state = unflatten(plan.skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
     rank_state = None
     if plan.rank_skeleton is not None:
         rank_state = unflatten(plan.rank_skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
     return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether a failed read is the storage's fault (connection, timeout) rather than the bytes'."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return all(_is_transient(inner) for inner, _ in failures.values())
+    cause = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return isinstance(cause, (ConnectionError, TimeoutError)) or (
+        isinstance(cause, OSError) and not isinstance(cause, (FileNotFoundError, IsADirectoryError))
+    )

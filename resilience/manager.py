@@ -1,59 +1,81 @@
 """One manager per process; every checkpoint goes through it in clear phases.
 
+    claim(): own the root for this run (no other live job; leftovers of dead ones cleared; run identity)
     save():  agree (one tiny all-reduce) -> flatten -> stage into reused host buffers -> hand off
-    writer:  DCP write of this rank's shards -> checksums -> all-gather -> manifest (local commit) -> retention
-    upload:  pick newest ready -> concurrent transfers with retries -> all-gather -> manifest (durable commit)
+    writer:  DCP write of this rank's shards -> checksums -> agree -> manifest (local commit) -> retention
+    upload:  pick newest ready -> concurrent transfers with retries -> agree -> manifest (durable commit)
     load():  discover (both tiers) -> verify, fall back past bad ones -> DCP load with resharding
 
-Construction and load() are collective: call them on every rank.
+Construction, claim(), save() and load() are collective: call them on every rank.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
 import logging
 import os
 import threading
 import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog
-from resilience.config import CheckpointConfig
+from resilience.config import CheckpointConfig, WhenBusy
 from resilience.dist import Groups, share_of_replicated
 from resilience.errors import (
     CheckpointError,
     CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
+    IncompatibleStateError,
     NoCheckpointError,
-    ResilienceError,
+    describe,
 )
-from resilience.loader import Restored, plan_load, rank_prefix, run_load
-from resilience.manifest import MANIFEST_NAME
-from resilience.pipeline import Listener, Pipeline, SaveHandle, WriteJob, remove_checkpoint
+from resilience.events import Events, Listener
+from resilience.layout import (
+    CORRUPT_MANIFEST,
+    MANIFEST,
+    QUARANTINE_DIR,
+    SUPERSEDED_DIR,
+    SUPERSEDED_MANIFEST,
+    WRITER_FILE,
+    aside_name,
+    rank_prefix,
+)
+from resilience.loader import Restored, plan_load, run_load
+from resilience.owners import Owner, Owners, writer_alive
+from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
+from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, StagingJob
-from resilience.storage import Tier
+from resilience.storage import DurableTier, LocalTier, Tier
 from resilience.tree import flatten
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass
 class SaveStats:
-    """Counters a user or a metrics callback can read at any time."""
+    """Counters a user or a metrics callback can read at any time.
+
+    ``stall_s`` is every second the training thread spent in the manager's saves and waits (staging waits
+    before an optimizer step included): what a save cost training, for the goodput ledger.
+    """
 
     saves: int = 0
     skipped: int = 0
     waited_for_previous: int = 0
     block_s: list[float] = field(default_factory=list)
     staging_wait_s: float = 0.0
+    stall_s: float = 0.0
 
 
 class CheckpointManager:
@@ -62,7 +84,8 @@ class CheckpointManager:
     Args:
         config: Where and how; see :class:`CheckpointConfig`.
         listeners: Called (from background threads) with a dict per event: ``local_commit``,
-            ``durable_commit``, ``failed``, ``skipped``, ``upload_retry``, ``upload_skipped``, ``deleted``.
+            ``durable_commit``, ``failed``, ``skipped``, ``upload_retry``, ``upload_skipped``, ``deleted``;
+            more can be added at any time with :meth:`add_listener`.
         protected_steps: Called (from background threads) before retention deletes anything; steps it returns
             are kept beyond ``keep_last`` (e.g. the best-k checkpoints a framework still refers to).
     """
@@ -74,22 +97,30 @@ class CheckpointManager:
         protected_steps: Callable[[], set[int]] | None = None,
     ):
         self.config = config
-        self.listeners: list[Listener] = list(listeners or [])
-        self.local = Tier("local", config.local_root)
-        self.durable = Tier("durable", config.durable_url, config.storage_options) if config.durable_url else None
-        self.local.check_writable()
+        self.local = LocalTier(config.local_root)
+        self.durable = DurableTier(config.durable_url, config.storage_options) if config.durable_url else None
         self.groups = Groups(config.collective_timeout_s)
         self.topology = self.groups.topology
         self.rank = self.topology.rank
         self.world_size = self.topology.world_size
         self.local_shared = config.local_shared if config.local_shared is not None else self.topology.single_host
-        self._startup_checks()
+        self.is_local_leader = (
+            self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_host())
+        )
+        self.events = Events(self.rank, listeners)
         self.stats = SaveStats()
+        self.run_id: str | None = None
+        self.owner: Owner | None = None
+        self._branch_from: int | None = None
+        self._owners = Owners(self.local.root)
+        self._known_steps: set[int] = self._startup_checks()
+        self._handles: dict[int, SaveHandle] = {}
+        self._restored: Restored | None = None
         self._stager = HostStager(config.pin_memory)
         self._staging: StagingJob | None = None
         self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
-        self._committed_lock = threading.Lock()
+        self._lock = threading.Lock()
         self.pipeline = Pipeline(
             config,
             self.local,
@@ -98,50 +129,143 @@ class CheckpointManager:
             self.groups.writer,
             self.groups.upload,
             self.local_shared,
-            self.listeners,
+            self.events,
             self._note_committed,
             protected_steps or set,
         )
         self._closed = False
+        _OPEN.add(self)
+        # Last registered runs first: before the exit hooks of a process group made before this manager
+        # (Lightning's destroys the group at exit; the last commits and uploads still need it).
+        atexit.unregister(_finish_at_exit)
+        atexit.register(_finish_at_exit)
 
     # ---- start-up ----------------------------------------------------------------------------------------------
 
-    def _startup_checks(self) -> None:
-        """Check the durable tier once (rank 0), learn which steps exist, and clear local leftovers."""
-        problem: str | None = None
-        known: set[int] = set()
-        if self.rank == 0:
-            try:
-                if self.durable is not None:
-                    self.durable.check_writable()
-                    known |= {e.step for e in catalog.scan(self.durable) if e.committed}
-                known |= {e.step for e in catalog.scan(self.local) if e.committed}
-            except Exception as exc:
-                problem = str(exc)
-        problem, known = self.groups.control.broadcast((problem, known))
-        if problem:
-            raise ConfigError(problem)
-        self._known_steps: set[int] = set(known)
-        self._clear_local_leftovers()
+    def _startup_checks(self) -> set[int]:
+        """Prove both tiers usable (at set-up, not at step N) and learn which steps exist."""
 
-    def _clear_local_leftovers(self) -> None:
-        """Remove uncommitted step directories a crashed run left behind; a later save may need the name."""
-        leader = self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_host())
-        if leader:
-            for entry in catalog.scan(self.local):
-                if entry.problem == catalog.NOT_COMMITTED:
-                    log.info("removing uncommitted leftover %s", entry.where())
-                    self.local.remove_dir(entry.path)
-        self.groups.control.barrier()
+        def check_local() -> None:
+            if self.is_local_leader:
+                self.local.check_writable()
 
-    def has_step(self, step: int) -> bool:
-        """Whether ``step`` is committed or being saved (in either tier)."""
-        with self._committed_lock:
-            return step in self._known_steps
+        self.groups.control.agree(check_local)
+
+        def scan() -> set[int]:
+            known: set[int] = set()
+            if self.durable is not None:
+                self.durable.check_writable()
+                known |= {e.step for e in catalog.scan(self.durable) if e.committed}
+            return known | {e.step for e in catalog.scan(self.local) if e.committed}
+
+        return set(self.groups.control.decide(scan))
+
+    def claim(self, *, resumed_from: int | None = None, run_id: str | None = None) -> str:
+        """Begin training on the local root: call when a run (re)starts, before its first save; collective.
+
+        The first call makes this job the root's owner: it refuses a root another live job writes to, and clears
+        leftovers of saves whose writer is gone. Every call checks the lineage: a run that starts fresh
+        (``resumed_from`` None) on a root holding checkpoints is refused (its steps would be mixed up with
+        theirs); one resumed from step ``s`` sets aside the checkpoints newer than ``s`` (an abandoned branch) at
+        its first save, so none of its later saves can be mistaken for them, and nothing is moved by a run that
+        never saves. Returns the run id (``run_id``: continue that run). :meth:`save` calls it with the step
+        last restored if nobody did.
+        """
+        if self.run_id is None:
+            restored = self._restored if self._restored is not None and self._restored.step == resumed_from else None
+            proposed = run_id or (restored.manifest.run_id if restored is not None else None) or uuid.uuid4().hex[:16]
+            chosen = self.groups.control.decide(lambda: proposed)
+            owner = Owner.me(chosen)
+
+            def own() -> None:
+                if not self.is_local_leader:
+                    return
+                others = self._owners.live_others()
+                if others:
+                    other = others[0]
+                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other.since))
+                    raise ConfigError(
+                        f"local_root {self.local.root} is in use by another live job (pid {other.pid} on "
+                        f"{other.host}, since {since}): two jobs writing one root would destroy each other's "
+                        "saves. Give this job its own local_root (and durable_url), or stop the other one"
+                    )
+                self._owners.register(owner)
+                self._clear_leftovers()
+
+            self.groups.control.agree(own)
+            self.owner = owner
+            self.run_id = chosen
+        self.groups.control.agree(lambda: self._check_lineage(resumed_from))
+        self._branch_from = resumed_from
+        if resumed_from is not None:
+            self._handles = {s: h for s, h in self._handles.items() if s <= resumed_from}
+        return self.run_id
+
+    def _clear_leftovers(self) -> None:
+        """Remove uncommitted step directories whose writer is gone; a later save may need the name."""
+        for entry in catalog.scan(self.local):
+            if entry.problem != catalog.NOT_COMMITTED:
+                continue
+            if writer_alive(f"{entry.path}/{WRITER_FILE}"):
+                log.info("leaving %s alone: its writer is still at work", entry.where())
+                continue
+            log.info("removing uncommitted leftover %s", entry.where())
+            self.local.remove_dir(entry.path)
+
+    def _check_lineage(self, resumed_from: int | None) -> None:
+        """No step of another run may look like this run's: a fresh start on a root with checkpoints is refused."""
+        if self.rank != 0 or resumed_from is not None:
+            return
+        with self._lock:
+            committed = sorted(self._known_steps)
+        if committed:
+            raise ConfigError(
+                f"{self._where()} already holds checkpoints of another run (steps {_steps_text(committed)}), and "
+                "this run starts fresh: its saves would be mixed up with those. Resume that run (Lightning: "
+                "AutoResume() or fit(ckpt_path='last'); Accelerate: resilience.resume()), point local_root (and "
+                "durable_url) at a new directory, or move the old checkpoints away"
+            )
+
+    def _leave_abandoned_branch(self, resumed_from: int) -> None:
+        """Before a run resumed from an older step writes: set aside the steps newer than it."""
+        with self._lock:
+            newer = [step for step in sorted(self._known_steps) if step > resumed_from]
+        if newer and self.rank == 0:
+            log.warning(
+                "resumed from step %d while steps %s exist: setting those aside as an abandoned branch "
+                "(local copies under %s/%s)",
+                resumed_from,
+                _steps_text(newer),
+                self.local.root,
+                SUPERSEDED_DIR,
+            )
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for step in newer:
+            if self.is_local_leader and self.local.exists(self.local.step_path(step)):
+                self.local.rename(self.local.step_path(step), self.local.path(SUPERSEDED_DIR, aside_name(step, stamp)))
+            if self.rank == 0 and self.durable is not None:
+                manifest = self.durable.step_path(step, MANIFEST)
+                if self.durable.exists(manifest):
+                    self.durable.rename_manifest(
+                        manifest, f"{self.durable.step_path(step)}/{SUPERSEDED_MANIFEST}{stamp}"
+                    )
+
+    def _where(self) -> str:
+        return f"local_root {self.local.root}" + (f" / durable_url {self.durable.url}" if self.durable else "")
 
     def _note_committed(self, step: int) -> None:
-        with self._committed_lock:
+        with self._lock:
             self._known_steps.add(step)
+
+    def saved(self, step: int) -> SaveHandle | None:
+        """The save of ``step`` this manager made since the last load (or that load), if any: a checkpoint of
+        the state in memory now, as far as the caller has not changed it since."""
+        return self._handles.get(step)
+
+    def committed_steps(self) -> set[int]:
+        """Steps committed (or being saved) in either tier, as this manager knows them."""
+        with self._lock:
+            return set(self._known_steps)
 
     # ---- save ----------------------------------------------------------------------------------------------------
 
@@ -152,25 +276,33 @@ class CheckpointManager:
         rank_state: Any = None,
         *,
         extra: dict[str, Any] | None = None,
+        when_busy: WhenBusy | None = None,
     ) -> SaveHandle | None:
         """Stage ``state`` and return; the rest happens in the background. Call on every rank.
 
         ``state`` is the same tree on every rank (plain tensors are written once, by one of the ranks holding
         them; DTensor shards by their owners). ``rank_state`` differs per rank (RNG, data loader position)
         and is kept per rank. ``extra`` is JSON stored in the manifest. Returns None when the save was
-        skipped because the previous one was still running and ``when_busy="skip"``.
+        skipped because the previous one was still running and ``when_busy="skip"`` (the config's, unless
+        given here: an emergency save always waits).
         """
         t0 = time.monotonic()
         self._check_open()
         if step < 0:
             raise ValueError(f"step={step}: checkpoint steps are non-negative integers")
+        if self.run_id is None:
+            self.claim(resumed_from=self._restored.step if self._restored is not None else None)
+        if self._branch_from is not None:
+            branch_from, self._branch_from = self._branch_from, None
+            self.groups.control.agree(lambda: self._leave_abandoned_branch(branch_from))
+            with self._lock:
+                self._known_steps = {s for s in self._known_steps if s <= branch_from}
         if step in self._known_steps:
             raise CheckpointExistsError(
-                f"Step {step} is already saved or being saved under {self.local.url}"
-                f"{' or ' + self.durable.url if self.durable else ''}; committed checkpoints are never overwritten. "
-                "Resume from it, save under a new step, or point local_root/durable_url at a new run directory"
+                f"Step {step} is already saved or being saved under {self._where()}; committed checkpoints are "
+                "never overwritten. Save under a new step, or point local_root/durable_url at a new run directory"
             )
-        busy = self._inflight is not None and not self._inflight._local.is_set()
+        busy = self._inflight is not None and not self._inflight.committed.done()
         errors = self.pipeline.take_errors()
         any_error, any_busy = self.groups.control.max([int(bool(errors)), int(busy)])
         if any_error:
@@ -183,7 +315,7 @@ class CheckpointManager:
                 )
             )
         if any_busy:
-            if self.config.when_busy == "skip":
+            if (when_busy or self.config.when_busy) == "skip":
                 self.stats.skipped += 1
                 log.warning(
                     "Skipping the save of step %s: the save of step %s is still being written (when_busy='skip'; "
@@ -192,21 +324,28 @@ class CheckpointManager:
                     self._inflight.step if self._inflight else "?",
                     self.stats.skipped,
                 )
-                self._emit("skipped", step)
+                self.events.emit("skipped", step)
+                self.stats.stall_s += time.monotonic() - t0
                 return None
             self.stats.waited_for_previous += 1
             assert self._inflight is not None
-            self._inflight._local.wait()
+            concurrent.futures.wait([self._inflight.committed])
         self.wait_for_staging()
         flat = flatten(state)
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
         shared = share_of_replicated(flat.tensors, self.rank, self.world_size)
         tensors = {**shared, **(rank_flat.tensors if rank_flat else {})}
         staging = self._stager.stage(tensors, asynchronous=self.config.async_staging)
-        handle = SaveHandle(step, durable=self.durable is not None)
+        handle = SaveHandle(step)
+        if not self.config.async_staging:
+            handle.staged.set_result(None)
         block_s = time.monotonic() - t0
         handle.timings["block_s"] = block_s
-        self._known_steps.add(step)
+        if self.owner is not None and self.is_local_leader:
+            self._owners.touch(self.owner)
+        with self._lock:
+            self._known_steps.add(step)
+        self._handles[step] = handle
         self.pipeline.submit(
             WriteJob(
                 step=step,
@@ -217,6 +356,8 @@ class CheckpointManager:
                 extra=dict(extra or {}),
                 handle=handle,
                 block_s=block_s,
+                run_id=self.run_id,
+                writer=self.owner.to_json() if self.owner is not None else None,
             )
         )
         if flat.pickled and self.stats.saves == 0:
@@ -231,6 +372,7 @@ class CheckpointManager:
         self._inflight = handle
         self.stats.saves += 1
         self.stats.block_s.append(block_s)
+        self.stats.stall_s += block_s
         return handle
 
     def wait_for_staging(self) -> None:
@@ -238,7 +380,9 @@ class CheckpointManager:
         if self._staging is not None:
             t0 = time.monotonic()
             self._staging.release_source()
-            self.stats.staging_wait_s += time.monotonic() - t0
+            waited = time.monotonic() - t0
+            self.stats.staging_wait_s += waited
+            self.stats.stall_s += waited
             self._staging = None
 
     def _arm_staging_barrier(self) -> None:
@@ -282,17 +426,43 @@ class CheckpointManager:
         self._barrier_hooks = []
 
     def wait(self, timeout: float | None = None, *, durable: bool = False) -> bool:
-        """Wait until the last save is committed locally (and durably with ``durable``); raise its error."""
+        """Wait until the last save is committed locally (and durably with ``durable``); raise its error.
+
+        True once committed (in the durable tier too, with ``durable`` and one configured); False on timeout,
+        or with ``durable`` when a newer checkpoint superseded this one's upload.
+        """
         handle = self._inflight
         if handle is None:
             return True
+        t0 = time.monotonic()
+        future = handle.durable if durable and self.durable is not None else handle.committed
         try:
-            ok = handle.wait_durable(timeout) if durable else handle.wait_local(timeout)
+            result = future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
         except CheckpointError as exc:
             self.pipeline.discard_error(exc)  # raised here; not again at the next save
             raise
+        finally:
+            self.stats.stall_s += time.monotonic() - t0
         self._raise_pending()
-        return ok
+        return result is not None
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every save made so far is committed locally and durably (or has failed); raise the first
+        failure. False if that took longer than ``timeout``. The manager stays open for later saves."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        futures: list[concurrent.futures.Future[Any]] = [
+            future for handle in list(self._handles.values()) for future in (handle.committed, handle.durable)
+        ]
+        for future in futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = concurrent.futures.wait([future], left)
+            if not done:
+                return False
+        self._raise_pending()
+        self.pipeline.retain()  # what a commit's retention had to keep for later (names, uploads) may go now
+        return True
 
     def check(self) -> None:
         """Raise the first background failure not yet raised (also done by every save)."""
@@ -319,95 +489,114 @@ class CheckpointManager:
         """Load the newest verified checkpoint (or ``step``) into ``target``; None if there is none.
 
         Collective. ``target`` is a state tree with tensors (DTensors are resharded); without it, tensors are
-        allocated on CPU. With ``step`` given and no such verified checkpoint, raises NoCheckpointError.
+        allocated on CPU. A copy that fails anywhere in loading (checksums, a shard DCP cannot read, a
+        malformed state file) is set aside and the next older one is tried, so the same bad copy never stops
+        a relaunch twice. With ``step`` given and no such verified checkpoint, raises NoCheckpointError.
         """
         self._check_open()
-        entry = self._choose(step)
-        if entry is None:
-            if step is not None:
-                raise NoCheckpointError(
-                    f"No committed checkpoint of step {step} verifies under {self.local.url}"
-                    f"{' or ' + self.durable.url if self.durable else ''}: run `resilience ls` to see what exists"
-                )
-            return None
+        self.wait_for_staging()  # the load fills live tensors in place
         allow_pickle = self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1"
-        # A problem on one rank (say, its own state file) must stop every rank, not leave the others waiting
-        # in the collective read: each phase ends with the ranks agreeing on its outcome.
-        plan = self._together(lambda: plan_load(entry, target, rank=self.rank, want_rank_state=rank_state))
-        return self._together(lambda: run_load(entry, plan, group=self.groups.control.group, allow_pickle=allow_pickle))
+        rejected: set[tuple[int, str]] = set()
+        while True:
+            entry = self._choose(step, rejected)
+            if entry is None:
+                if step is not None:
+                    raise NoCheckpointError(
+                        f"No committed checkpoint of step {step} verifies under {self._where()}: run "
+                        "`resilience ls` to see what exists"
+                    )
+                return None
+            try:
+                restored = self._load_entry(entry, target, rank_state=rank_state, allow_pickle=allow_pickle)
+            except IncompatibleStateError:
+                raise
+            except CorruptCheckpointError as exc:
+                self._warn(f"Skipping {entry.where()}: {exc}; trying an older checkpoint")
+                self._take_out(entry, definitely_corrupt=True)
+                rejected.add((entry.step, entry.tier.name))
+                continue
+            except CheckpointError as exc:
+                self._warn(f"Skipping {entry.where()} for now: {exc}; trying an older checkpoint")
+                rejected.add((entry.step, entry.tier.name))
+                continue
+            self._restored = restored
+            # the state in memory is now this step's: earlier saves of this process no longer describe it
+            self._handles = {
+                restored.step: SaveHandle.done(
+                    Commit(restored.step, restored.tier, restored.path, restored.manifest.total_bytes)
+                )
+            }
+            return restored
 
-    def _together(self, phase: Callable[[], T]) -> T:
-        """Run ``phase`` on every rank; if it failed anywhere, raise everywhere (this rank's own error first)."""
-        result: T | None = None
-        error: ResilienceError | None = None
-        try:
-            result = phase()
-        except ResilienceError as exc:
-            error = exc
-        failures = [
-            (r, text) for r, text in enumerate(self.groups.control.all_gather(str(error) if error else None)) if text
-        ]
-        if error is not None:
-            raise error
-        if failures:
-            rank, text = failures[0]
-            raise CheckpointError(f"Loading failed on rank {rank}: {text}")
-        return result  # type: ignore[return-value]
+    def _load_entry(self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool) -> Restored:
+        """Read one copy on every rank. A problem on one rank must stop every rank, not leave the others waiting in
+        the collective read: each phase ends with the ranks agreeing on its outcome (and nothing else crosses)."""
+        box: dict[str, Any] = {}
 
-    def _choose(self, step: int | None) -> catalog.Entry | None:
-        found: list[tuple[str, int, str, Any, str | None]] = []
-        if self.rank == 0:
-            found = [
+        def plan() -> None:
+            box["plan"] = plan_load(entry, target, rank=self.rank, want_rank_state=rank_state)
+
+        def read() -> None:
+            box["restored"] = run_load(entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle)
+
+        self.groups.control.agree(plan)
+        self.groups.control.agree(read)
+        restored: Restored = box["restored"]
+        return restored
+
+    def _choose(self, step: int | None, rejected: set[tuple[int, str]] | None = None) -> catalog.Entry | None:
+        def listed() -> list[tuple[str, int, str, Any, str | None]]:
+            return [
                 (e.tier.name, e.step, e.path, e.manifest, e.problem)
                 for e in catalog.candidates([self.local, self.durable], invalid=True)
-                if step is None or e.step == step
+                if (step is None or e.step == step) and (e.step, e.tier.name) not in (rejected or set())
             ]
+
         # Rank 0 lists once; every rank verifies a share of the files, so a full check scales with ranks.
-        tiers = {"local": self.local, "durable": self.durable}
+        tiers: dict[str, Tier | None] = {"local": self.local, "durable": self.durable}
         entries = [
             catalog.Entry(s, tier, path, manifest, problem)
-            for name, s, path, manifest, problem in self.groups.control.broadcast(found)
+            for name, s, path, manifest, problem in self.groups.control.decide(listed)
             if (tier := tiers[name]) is not None
         ]
         share = (self.rank, self.world_size)
         return catalog.first_verified(entries, lambda e: self._verify_together(e, share), self._warn)
 
     def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
-        problem: str | None = None
-        corrupt = False
+        """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
+        full = self.config.verify in ("full", "auto")
         try:
-            full = self.config.verify == "full" or (self.config.verify == "auto" and entry.tier.name == "local")
-            catalog.verify(entry, full=full, share=share)
+            self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share))
         except CorruptCheckpointError as exc:
-            problem, corrupt = str(exc), True
+            self._take_out(entry, definitely_corrupt=True)
+            return str(exc)
+        except CheckpointError as exc:
+            return str(exc)
         except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        problems = self.groups.control.all_gather((problem, corrupt))
-        found = [(p, c) for p, c in problems if p]
-        if not found:
-            return None
-        if any(c for _, c in found):
-            self._known_steps.discard(entry.step)
-            if self.rank == 0:
-                self._quarantine(entry)
+            return describe(exc)
+        return None
+
+    def _take_out(self, entry: catalog.Entry, *, definitely_corrupt: bool) -> None:
+        """Take a corrupt copy out of discovery without deleting it, so its step can be saved again."""
+        if definitely_corrupt:
+            with self._lock:
+                self._known_steps.discard(entry.step)
+        if self.rank == 0 and definitely_corrupt:
+            self._quarantine(entry)
         self.groups.control.barrier()
-        return found[0][0]
 
     def _quarantine(self, entry: catalog.Entry) -> None:
-        """Take a corrupt checkpoint out of discovery without deleting it.
-
-        A local one moves to ``<local_root>/quarantine/`` (its step name may be saved again); in an object
-        store, where moving a prefix is a copy of every object, only its manifest is renamed.
-        """
+        """A local copy moves to ``<local_root>/quarantine/``; in an object store, where moving a prefix is a
+        copy of every object, only its manifest is renamed."""
         stamp = time.strftime("%Y%m%dT%H%M%S")
         try:
-            if entry.tier.name == "local":
-                self.local.fs.makedirs(self.local.path("quarantine"), exist_ok=True)
-                aside = self.local.path("quarantine", f"step-{entry.step}-{stamp}")
-                os.rename(entry.path, aside)
+            if isinstance(entry.tier, LocalTier):
+                aside = entry.tier.path(QUARANTINE_DIR, aside_name(entry.step, stamp))
+                entry.tier.rename(entry.path, aside)
             else:
-                aside = f"{entry.path}/{MANIFEST_NAME}.corrupt-{stamp}"
-                entry.tier.fs.mv(f"{entry.path}/{MANIFEST_NAME}", aside)
+                assert isinstance(entry.tier, DurableTier)
+                aside = f"{entry.path}/{CORRUPT_MANIFEST}{stamp}"
+                entry.tier.rename_manifest(f"{entry.path}/{MANIFEST}", aside)
             log.warning("quarantined corrupt %s as %s", entry.where(), entry.tier.display(aside))
         except Exception as exc:
             log.warning("could not quarantine %s: %s", entry.where(), exc)
@@ -418,36 +607,76 @@ class CheckpointManager:
 
     # ---- events and close --------------------------------------------------------------------------------------
 
-    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
-        self.listeners.append(listener)
+    def add_listener(self, listener: Listener) -> None:
+        self.events.add(listener)
 
-    def _emit(self, event: str, step: int, **fields: Any) -> None:
-        self.pipeline._emit(event, step, **fields)
+    def remove_listener(self, listener: Listener) -> None:
+        self.events.remove(listener)
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("This CheckpointManager is closed; make a new one")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self, timeout: float | None = None) -> None:
         """Finish every queued write and upload, then stop; raises the first background failure."""
         if self._closed:
             return
         self._closed = True
+        _OPEN.discard(self)
         self.wait_for_staging()
         self._disarm_staging_barrier()
         finished = self.pipeline.close(timeout)
         self._stager.close()
+        if self.owner is not None:
+            if self.is_local_leader:
+                self._owners.unregister(self.owner)
+            self.owner.release()
         # The gloo groups stay until the job's own destroy_process_group(): destroying them here could tear
         # connections down under a peer that is still finishing its last collective.
         if not finished:
             log.warning("checkpoint threads did not finish within %ss; they are left to the process exit", timeout)
         self._raise_pending()
 
+    def pending_steps(self) -> list[int]:
+        """Steps saved by this manager whose local commit or upload has not ended yet."""
+        return sorted(s for s, h in self._handles.items() if not (h.committed.done() and h.durable.done()))
+
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _steps_text(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:8])) + (f" and {len(steps) - 8} more" if len(steps) > 8 else "")
+
+
+_OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    """A save made just before the script ends still commits: the exit waits for it, and says so.
+
+    Without this the interpreter would tear the writer threads down mid-write (a save outside ``fit()``,
+    followed by the end of the script, was lost that way, with an abort in the threads' gloo calls).
+    """
+    for manager in list(_OPEN):
+        pending = manager.pending_steps()
+        if pending:
+            log.warning("waiting for checkpoint step(s) %s to commit before the process exits", pending)
+            print(
+                f"training-resilience: waiting for checkpoint step(s) {pending} to commit before exit",
+                flush=True,
+            )
+        try:
+            manager.close()
+        except Exception as exc:
+            log.error("a checkpoint failed while the process was exiting: %s", describe(exc))
 
 
 __all__ = ["CheckpointManager", "SaveHandle", "SaveStats", "remove_checkpoint"]

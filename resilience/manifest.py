@@ -16,7 +16,6 @@ import xxhash
 
 from resilience.errors import CorruptCheckpointError
 
-MANIFEST_NAME = "manifest.json"
 FORMAT = "training-resilience/checkpoint"
 VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20
@@ -24,6 +23,7 @@ MAX_FILE_BYTES = 1 << 50
 FILE_KINDS = ("shard", "dcp-metadata", "state")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
+_RUN_ID = re.compile(r"^[0-9a-zA-Z_.-]{1,64}$")
 _CHUNK = 8 << 20
 
 
@@ -51,6 +51,7 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     pickled: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -103,6 +104,9 @@ class Manifest:
             not isinstance(ranks, list) or not all(_is_int(r) and 0 <= r < world_size for r in ranks)
         ):
             raise bad("'ranks' is not a list of ranks below world_size")
+        run_id = body.get("run_id")
+        if run_id is not None and (not isinstance(run_id, str) or not _RUN_ID.match(run_id)):
+            raise bad(f"'run_id' is {run_id!r}, not a run id")
         created = body.get("created_unix")
         if not isinstance(created, (int, float)) or isinstance(created, bool):
             raise bad("'created_unix' is not a number")
@@ -116,6 +120,7 @@ class Manifest:
             timings={k: float(v) for k, v in _num_map(body.get("timings", {}), "timings", bad).items()},
             pickled=_str_list(body.get("pickled", []), "pickled", bad),
             extra=body.get("extra", {}) if isinstance(body.get("extra", {}), dict) else {},
+            run_id=run_id,
         )
 
 

@@ -7,12 +7,25 @@ several times the copy itself; pinning them (for CUDA sources) lets the copy run
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.batchnorm import _NormBase
+
+from resilience.config import CheckpointConfig
+
+
+def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
+    """Resolve ``staging_barrier="auto"``: a forward that updates saved buffers (BatchNorm running statistics)
+    must wait for an asynchronous copy too, not only the next optimizer step."""
+    if config.staging_barrier != "auto":
+        return config
+    updates = any(isinstance(m, _NormBase) and m.track_running_stats for module in modules for m in module.modules())
+    return dataclasses.replace(config, staging_barrier="forward" if updates else "optimizer_step")
 
 
 class StagingJob:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from fsspec.callbacks import Callback
 
 from resilience.errors import describe
-from resilience.manifest import MANIFEST_NAME, FileEntry
+from resilience.layout import MANIFEST
+from resilience.manifest import FileEntry
 from resilience.storage import Tier
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def commit_durable(
 ) -> None:
     """Write the durable manifest once, retried like the files: a store's error or throttling response to this
     one small PUT must not cost the commit of everything uploaded before it."""
-    path = durable.step_path(step, MANIFEST_NAME)
+    path = durable.step_path(step, MANIFEST)
 
     def write() -> None:
         try:
@@ -123,4 +124,4 @@ def commit_durable(
             if durable.read_bytes(path) != manifest:
                 raise
 
-    retrying(MANIFEST_NAME, write, policy, on_retry)
+    retrying(MANIFEST, write, policy, on_retry)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resilience.errors import CheckpointError, CorruptCheckpointError
+from resilience.errors import ConfigError, CorruptCheckpointError
 
 TAG = "$t"
 
@@ -163,7 +163,7 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
             return torch.device(node["v"])
         if tag == "pickle":
             if not allow_pickle:
-                raise CheckpointError(
+                raise ConfigError(
                     f"{where} holds a pickled {node.get('type')} value; loading it would run code from storage. "
                     "Pass allow_pickle=True (or set RESILIENCE_ALLOW_PICKLE=1) if you trust this storage"
                 )
@@ -172,6 +172,8 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
 
     try:
         return decode(skeleton)
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError, RecursionError) as exc:  # a skeleton that no save could have written
         raise CorruptCheckpointError(f"{where}: the saved state is malformed ({type(exc).__name__}: {exc})") from exc
 

@@ -123,7 +123,8 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
                 time.sleep(COMPUTE_S)
             loop_s = time.perf_counter() - started
         assert resilience.global_step == 20
-    assert committed_steps(tmp_path) == [5, 10, 15]  # each blocked SAVE_S inside the loader's next()
+    # each blocked SAVE_S inside the loader's next(); step 20's at the boundary close() ends; keep_last=3
+    assert committed_steps(tmp_path) == [10, 15, 20]
 
     windows = [entry for entry in tracker.logged if "data/wait_fraction" in entry]
     assert len(windows) == 4 and all(entry["data/starving"] == 1.0 for entry in windows)
@@ -288,7 +289,8 @@ def test_auto_interval_takes_the_mtbf_observed_from_the_runs_restarts(tmp_path: 
         train(job, resilience, resilience.resume())
         plan = resilience.interval_plan
     assert plan is not None and plan.mtbf_source == "observed"
-    assert plan.mtbf_s == pytest.approx(before.uptime_s)  # one failure in that much uptime
+    # one failure in all the uptime so far: the first incarnation's and this one's until the plan
+    assert before.uptime_s <= plan.mtbf_s <= summarize(tmp_path).uptime_s
 
 
 def test_auto_interval_is_the_same_on_every_rank(tmp_path: Path) -> None:

@@ -148,7 +148,8 @@ def test_routed_methods_and_their_limits(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="Accelerate would write this URL as a local folder"):
         accelerator.save_state("s3://bucket/run")
     train(job, resilience, resilience.resume(), stop_at=3)  # saves through accelerator.save_state()
-    assert accelerator.save_state(str(tmp_path / "ck")) is None  # same step as the last save: nothing new
+    # same step as the last save: nothing new, and the folder that holds it, as Accelerate returns its output dir
+    assert accelerator.save_state(str(tmp_path / "ck")) == str(tmp_path / "ck" / "step-3")
     accelerator.save_state(tmp_path / "export")  # another folder: Accelerate's own synchronous export
     assert (tmp_path / "export" / "model.safetensors").exists()
     resilience.close()

@@ -49,27 +49,27 @@ def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
 ) -> None:
     import threading
 
-    from resilience.storage import Tier
+    from resilience.storage import DurableTier
 
     gate = threading.Event()
-    original = Tier.put_file
+    original = DurableTier.put_file
 
-    def slow_put(self: Tier, local_path: str, path: str, callback: object = None) -> None:
+    def slow_put(self: DurableTier, local_path: str, path: str, callback: object = None) -> None:
         if "step-1/" in path:
             gate.wait(30)
         original(self, local_path, path, callback)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Tier, "put_file", slow_put)
+    monkeypatch.setattr(DurableTier, "put_file", slow_put)
     events: list[dict[str, object]] = []
     with manager(tmp_path, s3, keep_last=3) as m:
         m.add_listener(events.append)
         first = m.save(1, make_state(1))
         second = m.save(2, make_state(2))
         third = m.save(3, make_state(3))
-        assert first and second and third and third.wait_local(30)
+        assert first and second and third and third.committed.result(30)
         gate.set()
-        assert third.wait_durable(60) and first.wait_durable(60)
-        assert second.wait_durable(60) is False, "step 2 was superseded by step 3 while step 1 uploaded"
+        assert third.durable.result(60) and first.durable.result(60)
+        assert second.durable.result(60) is None, "step 2 was superseded by step 3 while step 1 uploaded"
     fs = s3["fs"]
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run")) == ["step-1", "step-3"]  # type: ignore[attr-defined]
     assert any(e["event"] == "upload_skipped" and e["step"] == 2 for e in events)
@@ -131,15 +131,15 @@ def test_server_killed_mid_upload_keeps_the_local_commit(
         m.wait(durable=True)
         server.stop()  # the object store goes away
         handle = m.save(2, make_state(2))
-        assert handle is not None and handle.wait_local(60)
+        assert handle is not None and handle.committed.result(60)
         with pytest.raises(CheckpointError, match=r"Uploading the checkpoint failed.*gave up.*step=2, tier=durable"):
-            handle.wait_durable(120)
+            handle.durable.result(120)
         if policy == "raise":  # training stops at its next save, with the upload's error
             with pytest.raises(CheckpointError, match="Uploading the checkpoint failed"):
                 m.save(3, make_state(3))
         else:  # training goes on, checkpointing to the local tier
             third = m.save(3, make_state(3))
-            assert third is not None and third.wait_local(60)
+            assert third is not None and third.committed.result(60)
             m.close()
     finally:
         server.stop()
@@ -165,11 +165,23 @@ def test_cli_upload_commits_what_the_durable_tier_lacks(
     assert restored is not None and restored.tier == "durable" and restored.step == 2
     assert torch.equal(restored.state["model"]["w"], make_state(2)["model"]["w"])
     with CheckpointManager(CheckpointConfig(tmp_path / "local", keep_last=3)) as m:
+        m.load()
         m.save(3, make_state(3))
     shard = next((tmp_path / "local" / "step-3").glob("__*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert cli(["upload", str(tmp_path / "local"), str(s3["url"]), "--storage-option", endpoint]) == 2
+    assert cli(["upload", str(tmp_path / "local"), str(s3["url"]), "--storage-option", endpoint]) == 4
     assert "checksum" in capsys.readouterr().err
     assert not s3["fs"].exists("ckpt-bucket/run/step-3/manifest.json")  # type: ignore[attr-defined]
+
+
+def test_a_mistyped_bucket_is_refused_at_set_up_and_never_created(tmp_path: Path, s3: dict[str, object]) -> None:
+    fs = s3["fs"]
+    typo = {**s3, "url": "s3://ckpt-bukket/run"}
+    with pytest.raises(ConfigError, match=r"bucket 'ckpt-bukket' does not exist.*never creates one"):
+        manager(tmp_path, typo)
+    assert not fs.exists("ckpt-bukket")  # type: ignore[attr-defined]
+    wrong_endpoint = {**s3, "options": {"endpoint_url": "http://127.0.0.1:9", **FAST_FAIL}}
+    with pytest.raises(ConfigError, match=r"not reachable.*check the endpoint"):
+        manager(tmp_path, wrong_endpoint)

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from resilience import CheckpointConfig, CheckpointError, ConfigError, CorruptCheckpointError
+from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError
 from resilience.manifest import FileEntry, Manifest, check_relative_path
 from resilience.retention import steps_to_delete
-from resilience.storage import Tier, redact
+from resilience.storage import DurableTier, LocalTier, redact
 from resilience.tree import flatten, tensor_keys, unflatten
 
 
@@ -66,7 +66,7 @@ def test_tree_tensor_keys_are_paths_and_tied_tensors_are_saved_once() -> None:
 def test_tree_pickles_only_with_consent() -> None:
     flat = flatten({"obj": Opaque(7)})
     assert flat.pickled == ["/obj"]
-    with pytest.raises(CheckpointError, match="allow_pickle=True"):
+    with pytest.raises(ConfigError, match="allow_pickle=True"):
         unflatten(flat.skeleton, flat.tensors, allow_pickle=False, where="ckpt")
     assert unflatten(flat.skeleton, flat.tensors, allow_pickle=True, where="ckpt")["obj"].value == 7
 
@@ -156,11 +156,35 @@ def test_config_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untype
 
 def test_tier_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="Unknown storage URL scheme"):
-        Tier("durable", "nosuch://bucket/x")
+        DurableTier("nosuch://bucket/x")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=r"not writable.*point it at a directory"):
-        Tier("local", blocker / "sub").check_writable()
+        LocalTier(blocker / "sub").check_writable()
+
+
+@pytest.mark.parametrize(
+    ("setting", "text", "meant"),
+    [
+        ("durable_url", "s3//bucket/run", "s3://bucket/run"),
+        ("durable_url", "s3:/bucket/run", "s3://bucket/run"),
+        ("durable_url", "gs:bucket/run", "gs://bucket/run"),
+        ("local_root", "memory//x", "memory://x"),
+    ],
+)
+def test_mistyped_urls_are_refused_not_taken_for_local_folders(setting: str, text: str, meant: str) -> None:
+    make = LocalTier if setting == "local_root" else DurableTier
+    with pytest.raises(ConfigError, match=rf"{setting}=.*mistyped URL.*did you mean '{meant}'"):
+        make(text)
+
+
+def test_the_local_tier_refuses_urls(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """DCP writes the local tier with file I/O: a URL there would put shards in the host's /x/."""
+    with pytest.raises(ConfigError, match=r"local_root='memory://x' is a URL.*durable_url"):
+        LocalTier("memory://x")
+    with pytest.raises(ConfigError, match="local_root is empty"):
+        LocalTier("")
+    assert LocalTier(tmp_path / "a" / ".." / "b").root == str(tmp_path / "b")
 
 
 def test_redact_masks_credentials() -> None:
@@ -178,7 +202,7 @@ def test_redact_masks_credentials() -> None:
         "endpoint_url": "http://x",
         "client_kwargs": {"aws_session_token": "***"},
     }
-    assert "AKIA" not in repr(Tier("durable", "memory://b/x", {"key": "AKIA"}))
+    assert "AKIA" not in repr(DurableTier("memory://b/x", {"key": "AKIA"}))
 
 
 def test_replicated_tensors_are_dealt_out_and_dtensor_shards_stay() -> None:

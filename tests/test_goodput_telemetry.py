@@ -64,7 +64,7 @@ def test_real_save_and_upload_become_metrics_and_ledger_notes(tmp_path: Path) ->
     state = {"w": torch.randn(512, 512), "step": 3}
     with CheckpointManager(config, listeners=[telemetry]) as manager:
         handle = manager.save(3, state)
-        assert handle is not None and handle.wait_durable(60)
+        assert handle is not None and handle.durable.result(60)
     telemetry.close()
     ledger.end()
 

@@ -1,77 +1,178 @@
-"""ModelCheckpoint's own features on top of the plugin, in one process: top-k, save_last, names vs data."""
+"""Lightning's checkpoint contract on top of the plugin, in one process: every name Lightning reports is an
+ordinary checkpoint file (``load_from_checkpoint``, ``torch.load``, a Trainer without the plugin), written only
+after its step is committed; top-k and ``save_last`` work; a fresh run never aliases another run's steps."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.demo_model import DemoData, DemoModel
-from lightning_resilience import ResilientCheckpointIO
-from lightning_resilience.pointer import read_pointer
+from lightning_resilience import AutoResume, GoodputMonitor, ResilientCheckpointIO
+from lightning_resilience.names import METADATA_KEY
+from resilience.errors import ConfigError
+from tests.helpers import ROOT, base_env
 
 
-def fit(root: Path, checkpoint: ModelCheckpoint, max_steps: int = 12) -> tuple[pl.Trainer, ResilientCheckpointIO]:
+def trainer_for(
+    root: Path, *callbacks: pl.Callback, max_steps: int = 12, io: ResilientCheckpointIO | None = None
+) -> pl.Trainer:
     pl.seed_everything(7)
-    io = ResilientCheckpointIO(str(root / "ckpt"), keep_last=2)
-    trainer = pl.Trainer(
+    return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        plugins=[io],
-        callbacks=[checkpoint],
+        plugins=[io or ResilientCheckpointIO(str(root / "ckpt"), keep_last=2)],
+        callbacks=list(callbacks),
         max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=root,
     )
-    trainer.fit(DemoModel(), DemoData())
-    return trainer, io
+
+
+class Validated(DemoModel):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
 
 
 def committed(root: Path) -> set[int]:
     return {int(p.name.split("-")[1]) for p in (root / "ckpt").glob("step-*") if (p / "manifest.json").exists()}
 
 
+def assert_lightning_file(path: Path, step: int, *, full: bool = True) -> dict[str, object]:
+    """A Lightning checkpoint as Lightning writes it, readable by torch.load without this pack."""
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["global_step"] == step and checkpoint[METADATA_KEY]["step"] == step
+    keys = {"state_dict", "loops", "epoch", "global_step", "pytorch-lightning_version"}
+    assert keys <= set(checkpoint)
+    assert ({"optimizer_states", "lr_schedulers", "callbacks"} <= set(checkpoint)) == full
+    return checkpoint
+
+
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_top_k_and_last_names_point_to_committed_data_that_retention_keeps(tmp_path: Path, save_last: object) -> None:
+def test_top_k_and_last_names_are_lightning_files_that_load_anywhere(tmp_path: Path, save_last: object) -> None:
     checkpoint = ModelCheckpoint(
         dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=save_last
     )
-    trainer, io = fit(tmp_path, checkpoint)
+    trainer = trainer_for(tmp_path, checkpoint)
+    trainer.fit(DemoModel(), DemoData())
     names = {p.name for p in (tmp_path / "names").iterdir()}
-    assert len(names - {"last.ckpt"}) == 2 and "last.ckpt" in names  # top-k removed the others' names
-    pointed = {read_pointer(tmp_path / "names" / name).step for name in names}  # type: ignore[union-attr]
+    assert len(names - {"last.ckpt"}) == 2 and "last.ckpt" in names  # top-k removed the others' files
     last = tmp_path / "names" / "last.ckpt"
     if save_last == "link":  # Lightning links last.ckpt to the newest name its top-k logic saved
         assert last.is_symlink() and last.resolve().name in names
-    else:  # a copy at the final step: here only another name for step 12's data
-        assert read_pointer(last).step == 12  # type: ignore[union-attr]
-    # keep_last=2 keeps the 2 newest; every step a name still points to is kept too; nothing else is
-    kept = committed(tmp_path)
-    assert pointed <= kept and kept == pointed | set(sorted(kept)[-2:])
-    assert len(kept) < 6, "steps no name points to and older than the newest two were deleted"
-    best = trainer.checkpoint_callback.best_model_path  # type: ignore[union-attr]
-    state = io.load_checkpoint(best)
-    assert state["global_step"] == read_pointer(best).step  # type: ignore[union-attr]
-    assert set(state) >= {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks"}
+    else:
+        assert_lightning_file(last, 12)
+    best = Path(checkpoint.best_model_path)
+    state = assert_lightning_file(best, int(best.stem.split("step=")[1]))
+    # the habits: load_from_checkpoint, and a Trainer without the plugin
+    model = DemoModel.load_from_checkpoint(best)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state["state_dict"][key])  # type: ignore[index]
+    plain = pl.Trainer(
+        accelerator="cpu", max_steps=14, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    plain.fit(DemoModel(), DemoData(), ckpt_path=best)  # resumed by stock Lightning: optimizer, loops and all
+    assert plain.global_step == 14
+    # keep_last=2 steps stay in the engine; the names are files of their own and need none of them
+    assert len(committed(tmp_path)) == 2
 
 
 def test_a_second_name_for_the_same_step_saves_nothing_twice(tmp_path: Path) -> None:
-    trainer, io = fit(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4), max_steps=8)
+    trainer = trainer_for(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4), max_steps=8)
+    trainer.fit(DemoModel(), DemoData())
     before = json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text())
-    trainer.save_checkpoint(tmp_path / "manual.ckpt")  # same global step, another name
-    io.teardown()
+    trainer.save_checkpoint(tmp_path / "manual.ckpt")  # after fit: returns once the file is written
     after = json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text())
-    assert after == before and read_pointer(tmp_path / "manual.ckpt").step == 8  # type: ignore[union-attr]
+    assert after == before
+    assert_lightning_file(tmp_path / "manual.ckpt", 8)
 
 
-def test_a_plain_lightning_checkpoint_still_loads(tmp_path: Path) -> None:
+def test_a_weights_only_name_never_stands_in_for_a_full_one(tmp_path: Path) -> None:
+    weights = ModelCheckpoint(
+        dirpath=tmp_path / "weights", filename="w-{step}", every_n_train_steps=4, save_weights_only=True
+    )
+    full = ModelCheckpoint(dirpath=tmp_path / "full", every_n_train_steps=8)  # step 8: both save
+    trainer = trainer_for(tmp_path, weights, full, max_steps=8)
+    trainer.fit(DemoModel(), DemoData())
+    assert_lightning_file(tmp_path / "weights" / "w-step=8.ckpt", 8, full=False)
+    assert_lightning_file(tmp_path / "full" / "epoch=0-step=8.ckpt", 8, full=True)
+    resumed = trainer_for(tmp_path / "again", max_steps=12)  # another root: the file alone carries the state
+    resumed.fit(DemoModel(), DemoData(), ckpt_path=tmp_path / "full" / "epoch=0-step=8.ckpt")
+    assert resumed.global_step == 12
+
+
+def test_save_then_validate_the_same_path_and_a_plain_checkpoint_loads(tmp_path: Path) -> None:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+    trainer = trainer_for(tmp_path, max_steps=4)
+    model = Validated()
+    trainer.fit(model, DemoData())
+    path = tmp_path / "mine.ckpt"
+    trainer.save_checkpoint(path)
+    assert trainer.validate(model, DemoData().train_dataloader(), ckpt_path=path, verbose=False)
     TorchCheckpointIO().save_checkpoint({"state_dict": {}, "global_step": 3}, tmp_path / "old.ckpt")
-    io = ResilientCheckpointIO(str(tmp_path / "ckpt"))
+    io = ResilientCheckpointIO(str(tmp_path / "other"))
     assert io.load_checkpoint(tmp_path / "old.ckpt")["global_step"] == 3
+
+
+def test_a_fresh_run_on_a_root_with_another_runs_steps_is_refused_before_training(tmp_path: Path) -> None:
+    names = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4)
+    trainer_for(tmp_path, names, AutoResume(), max_steps=8).fit(DemoModel(), DemoData())
+    before = json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text())
+    # with any of the pack's callbacks the run is refused when training starts ...
+    names2 = ModelCheckpoint(dirpath=tmp_path / "names2", every_n_train_steps=4)
+    second = trainer_for(tmp_path, names2, GoodputMonitor(), max_steps=8)
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of another run.*AutoResume"):
+        second.fit(DemoModel(), DemoData())
+    assert second.global_step == 0, "refused before the first step"
+    # ... with the plugin alone, at its first save (Lightning tells a CheckpointIO nothing earlier)
+    plugin_only = trainer_for(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names2", every_n_train_steps=4))
+    with pytest.raises(ConfigError, match="already holds checkpoints of another run"):
+        plugin_only.fit(DemoModel(), DemoData())
+    assert json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text()) == before
+    assert committed(tmp_path) == {4, 8} and not list((tmp_path / "names2").glob("*.ckpt"))
+
+
+def test_torch_save_of_a_trainer_with_the_pack(tmp_path: Path) -> None:
+    trainer = trainer_for(tmp_path, AutoResume(), max_steps=2)
+    trainer.fit(DemoModel(), DemoData())
+    torch.save(trainer, tmp_path / "trainer.pt")  # what Lightning's own tests do
+    again = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    assert isinstance(again.strategy.checkpoint_io, ResilientCheckpointIO)
+
+
+SAVE_AND_EXIT = """
+import sys
+import lightning.pytorch as pl
+from examples.demo_model import DemoData, DemoModel
+from lightning_resilience import ResilientCheckpointIO
+root = sys.argv[1]
+pl.seed_everything(7)
+io = ResilientCheckpointIO(root + "/ckpt", durable_url="file://" + root + "/durable")
+trainer = pl.Trainer(accelerator="cpu", devices=1, plugins=[io],
+                     max_steps=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=False, default_root_dir=root)
+trainer.fit(DemoModel(), DemoData())
+trainer.save_checkpoint(root + "/final.ckpt")
+"""
+
+
+def test_a_save_right_before_the_script_ends_is_committed_and_uploaded(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SAVE_AND_EXIT, str(tmp_path)], cwd=ROOT, env=base_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert_lightning_file(tmp_path / "final.ckpt", 4)
+    assert (tmp_path / "ckpt" / "step-4" / "manifest.json").exists()
+    assert (tmp_path / "durable" / "step-4" / "manifest.json").exists(), "the exit waited for the upload"
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from resilience.catalog import scan, verify
-from resilience.storage import Tier
+from resilience.storage import DurableTier, LocalTier
 from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_ranks
 
 WORKER = WORKERS / "reliability_fuzz.py"
@@ -135,7 +135,7 @@ def run_trial(plan: Plan, tmp_path: Path, request: pytest.FixtureRequest) -> dic
 
     if plan.lose_local:  # the node is gone: only the durable tier is left
         shutil.rmtree(local, ignore_errors=True)
-    tiers = [Tier("local", local), Tier("durable", durable_url, options)]
+    tiers = [LocalTier(local), DurableTier(durable_url, options)]
     committed = [entry for tier in tiers for entry in scan(tier) if entry.committed]
     for entry in committed:
         verify(entry, full=True)  # raises CorruptCheckpointError: a kill produced a partial commit

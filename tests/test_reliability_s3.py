@@ -15,7 +15,7 @@ import torch
 
 from resilience import CheckpointError, CheckpointManager
 from resilience.cli import main as cli
-from resilience.storage import Tier
+from resilience.storage import DurableTier
 from tests.helpers import FaultProxy
 from tests.test_engine_local import make_state
 from tests.test_engine_s3 import manager
@@ -87,25 +87,25 @@ def test_endpoint_gone_mid_upload_leaves_no_remote_commit_and_keeps_the_local_on
     tmp_path: Path, proxied: tuple[dict[str, object], FaultProxy], monkeypatch: pytest.MonkeyPatch, policy: str
 ) -> None:
     s3, proxy = proxied
-    original = Tier.put_file
+    original = DurableTier.put_file
 
-    def put_then_lose_the_endpoint(self: Tier, local_path: str, path: str, callback: object = None) -> None:
+    def put_then_lose_the_endpoint(self: DurableTier, local_path: str, path: str, callback: object = None) -> None:
         original(self, local_path, path, callback)  # type: ignore[arg-type]
         if "/step-2/" in path:
             proxy.stop()  # connection refused from now on: the first file of step 2 made it, the rest do not
 
-    monkeypatch.setattr(Tier, "put_file", put_then_lose_the_endpoint)
+    monkeypatch.setattr(DurableTier, "put_file", put_then_lose_the_endpoint)
     events: list[dict[str, object]] = []
     m = faulty_manager(tmp_path / "a", s3, events, upload_retries=2, upload_concurrency=1, on_upload_error=policy)
     try:
         m.save(1, make_state(1))
         assert m.wait(durable=True)
         handle = m.save(2, make_state(2))
-        assert handle is not None and handle.wait_local(60)
+        assert handle is not None and handle.committed.result(60)
         with pytest.raises(
             CheckpointError, match=r"Uploading the checkpoint failed: .*gave up after 3 attempts.*step=2, tier=durable"
         ):
-            handle.wait_durable(60)
+            handle.durable.result(60)
         partial = remote_names(s3, 2)
         assert partial and "manifest.json" not in partial, partial
         assert (tmp_path / "a" / "step-2" / "manifest.json").exists(), "the local commit must stay"
@@ -119,7 +119,10 @@ def test_endpoint_gone_mid_upload_leaves_no_remote_commit_and_keeps_the_local_on
     finally:
         m.close()
     endpoint = s3["server"].endpoint  # type: ignore[attr-defined]
-    assert cli(["verify", str(s3["url"]), "--storage-option", f"endpoint_url={endpoint}", "--step", "2"]) == 1
+    # never committed remotely: "raise" left the partial upload, which does not verify (1); "warn" went on to
+    # commit step 3, whose retention cleared the older partial one, so there is no step 2 any more (3)
+    expected = 1 if policy == "raise" else 3
+    assert cli(["verify", str(s3["url"]), "--storage-option", f"endpoint_url={endpoint}", "--step", "2"]) == expected
     with manager(tmp_path / "fresh-node", s3) as fresh:  # an empty local disk: only what was committed remotely
         restored = fresh.load()
     want = 3 if policy == "warn" else 1

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -253,6 +253,12 @@ def batch_size_of(batch: Any) -> int:
             return int(shape[0]) if shape else 1
 
 
+class WaitRecorder(Protocol):
+    """What :class:`TimedIterator` reports each step to (a :class:`DataWaitMonitor`, or a wrapper of one)."""
+
+    def record(self, wait_s: float, step_s: float, samples: int = 0) -> object: ...
+
+
 class TimedIterator(Generic[T]):
     """Iterates like ``iterable`` and times each ``next()``; a step is recorded once the next fetch begins.
 
@@ -263,7 +269,7 @@ class TimedIterator(Generic[T]):
     def __init__(
         self,
         iterable: Iterable[T],
-        monitor: DataWaitMonitor,
+        monitor: WaitRecorder,
         *,
         on_wait: Callable[[float], None] | None = None,
         count: Callable[[Any], int] = batch_size_of,

@@ -23,6 +23,7 @@ Typical use by an adapter::
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import sys
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch.distributed as dist
 
 from resilience.dist import Channel, is_distributed
-from resilience.errors import CheckpointExistsError, ConfigError
+from resilience.errors import ConfigError
 from resilience.health.config import HealthConfig
 from resilience.health.events import EventLog, Listener
 from resilience.health.faults import FaultEvent, Severity
@@ -139,33 +140,39 @@ def emergency_save(
 
     result = EmergencySave(step, durable_committed=False if manager.durable is not None else None)
     try:
+        result.already_saved = manager.saved(step) is not None
         if save is not None:
-            result.already_saved = manager.has_step(step)
             save()
-            result.local_committed = manager.wait(left())
-        else:
-            try:
+        elif not result.already_saved:
+            handle = manager.save(step, state, rank_state)
+            if handle is None:  # the previous save was still being written and when_busy="skip"
+                manager.wait(left())
                 handle = manager.save(step, state, rank_state)
-                if handle is None:  # the previous save was still being written and when_busy="skip"
-                    manager.wait(left())
-                    handle = manager.save(step, state, rank_state)
-                    if handle is None:
-                        raise TimeoutError("the previous save did not finish in time, so this one was skipped")
-                result.block_s = handle.timings.get("block_s")
-                result.local_committed = handle.wait_local(left())
-            except CheckpointExistsError:
-                result.already_saved = True
-                result.local_committed = manager.wait(left())
+                if handle is None:
+                    raise TimeoutError("the previous save did not finish in time, so this one was skipped")
+            result.block_s = handle.timings.get("block_s")
+        mine = manager.saved(step)
+        if mine is None:
+            raise TimeoutError(f"step {step} was not saved (the previous save was still being written)")
+        result.local_committed = _done(mine.committed, left())
         if result.local_committed:
             result.fault_to_local_s = time.time() - start
             if manager.durable is not None:
-                result.durable_committed = manager.wait(left(), durable=True)
+                result.durable_committed = _done(mine.durable, left())
                 if result.durable_committed:
                     result.fault_to_durable_s = time.time() - start
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     _log_emergency(manager.rank, result, grace_s)
     return result
+
+
+def _done(future: concurrent.futures.Future[Any], timeout: float) -> bool:
+    """Whether ``future`` ended with a commit within ``timeout`` (its error, if any, is raised)."""
+    try:
+        return future.result(timeout) is not None
+    except concurrent.futures.TimeoutError:
+        return False
 
 
 def _log_emergency(rank: int, result: EmergencySave, grace_s: float) -> None:

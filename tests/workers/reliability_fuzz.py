@@ -34,18 +34,18 @@ from resilience import CheckpointManager
 from resilience import pipeline as pipeline_module
 from resilience.pipeline import _RecordingWriter
 from resilience.staging import HostStager
-from resilience.storage import Tier
+from resilience.storage import DurableTier, LocalTier
 from tests.workers.engine_worker import check_restored, config, state_for
 
 # Where a kill can be planned: the phases a save goes through, by the function that does each.
-PHASES: dict[str, tuple[Any, str]] = {
-    "staging": (HostStager, "stage"),
-    "shards": (_RecordingWriter, "write_data"),
-    "dcp-metadata": (_RecordingWriter, "finish"),
-    "hash": (pipeline_module, "hash_stream"),
-    "manifest": (Tier, "write_exclusive"),
-    "upload": (Tier, "put_file"),
-    "retention": (pipeline_module, "remove_checkpoint"),
+PHASES: dict[str, list[tuple[Any, str]]] = {
+    "staging": [(HostStager, "stage")],
+    "shards": [(_RecordingWriter, "write_data")],
+    "dcp-metadata": [(_RecordingWriter, "finish")],
+    "hash": [(pipeline_module, "hash_stream")],
+    "manifest": [(LocalTier, "write_exclusive"), (DurableTier, "write_exclusive")],
+    "upload": [(DurableTier, "put_file")],
+    "retention": [(pipeline_module, "remove_checkpoint")],
 }
 MAX_STEPS = 60
 STEP_S = 0.02  # the "compute" between saves
@@ -89,8 +89,9 @@ def instrument(trace: Trace, plan: dict[str, Any], rank: int) -> None:
 
         return traced
 
-    for phase, (owner, name) in PHASES.items():
-        setattr(owner, name, wrap(phase, getattr(owner, name)))
+    for phase, places in PHASES.items():
+        for owner, name in places:
+            setattr(owner, name, wrap(phase, getattr(owner, name)))
 
 
 def main() -> None:

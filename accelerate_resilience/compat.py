@@ -1,0 +1,135 @@
+"""Every use of Accelerate's private attributes, in one place, with the versions it was checked against.
+
+Accelerate keeps what it prepared in private lists and gives its prepared data loader no public per-batch
+hook, so the adapter reads those lists and wraps two of the loader's methods. Checked against accelerate
+1.15.0 (the version the tests run) and, for the names below, present since 1.3 (the lowest version this
+package states, because of ``unwrap_model(keep_torch_compile=...)``). If a release renames one of them, this
+module is the only place to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderShard
+
+CHECKED_WITH = "1.15.0"
+LOWEST = "1.3.0"
+
+
+# ---- what the accelerator prepared (Accelerator._models, ._optimizers, ._schedulers, ._dataloaders,
+# ._custom_objects: lists filled by prepare() and register_for_checkpointing()) --------------------------------
+
+
+def models(accelerator: Accelerator) -> list[torch.nn.Module]:
+    return list(accelerator._models)
+
+
+def optimizers(accelerator: Accelerator) -> list[Any]:
+    return list(accelerator._optimizers)
+
+
+def schedulers(accelerator: Accelerator) -> list[Any]:
+    return list(accelerator._schedulers)
+
+
+def dataloaders(accelerator: Accelerator) -> list[Any]:
+    return list(accelerator._dataloaders)
+
+
+def registered_objects(accelerator: Accelerator) -> list[Any]:
+    return list(accelerator._custom_objects)
+
+
+def has_save_state_hooks(accelerator: Accelerator) -> bool:
+    """Whether ``register_save_state_pre_hook`` was used (``Accelerator._save_model_state_pre_hook``)."""
+    return bool(accelerator._save_model_state_pre_hook)
+
+
+# ---- the prepared training loader (DataLoaderShard) -------------------------------------------------------
+
+
+def reports_batches(loader: Any) -> bool:
+    """Only ``DataLoaderShard`` calls ``_update_state_dict`` per batch; ``DataLoaderDispatcher`` does not."""
+    return issubclass(type(loader), DataLoaderShard)
+
+
+def hook_batches(loader: Any, on_begin: Callable[[], None], on_batch: Callable[[], None]) -> Callable[[], None]:
+    """Call ``on_begin`` when a pass over ``loader`` starts and ``on_batch`` before each batch is handed out.
+
+    ``DataLoaderShard.begin()`` opens a pass and ``_update_state_dict()`` runs once per batch just before the
+    yield (it snapshots a StatefulDataLoader's cursor there). Returns the undo.
+    """
+    original_begin = loader.begin
+    original_update = loader._update_state_dict
+
+    def begin() -> None:
+        original_begin()
+        on_begin()
+
+    def update_state_dict() -> None:
+        on_batch()  # before Accelerate's snapshot: a save here records the cursor of the batches trained on
+        original_update()
+
+    loader.begin = begin
+    loader._update_state_dict = update_state_dict
+
+    def undo() -> None:
+        for name in ("begin", "_update_state_dict"):
+            loader.__dict__.pop(name, None)
+
+    return undo
+
+
+def hook_end(loader: Any, after: Callable[[], None]) -> Callable[[], None]:
+    """Call ``after`` once ``loader``'s pass ends (``DataLoaderShard.end``); returns the undo."""
+    original_end = loader.end
+
+    def end() -> None:
+        original_end()
+        after()
+
+    loader.end = end
+    return lambda: loader.__dict__.pop("end", None)
+
+
+def epoch(loader: Any) -> int:
+    """Accelerate's epoch counter (``DataLoaderShard.iteration``: it drives ``set_epoch`` and the shuffle)."""
+    return int(getattr(loader, "iteration", 0))
+
+
+def set_epoch(loader: Any, value: int) -> None:
+    if hasattr(loader, "iteration"):
+        loader.iteration = value
+
+
+def at_end(loader: Any) -> bool:
+    return bool(loader.end_of_dataloader)
+
+
+def stateful(loader: Any) -> bool:
+    return bool(getattr(loader, "use_stateful_dataloader", False))
+
+
+def skipped_in_sampler(loader: Any) -> int:
+    """Batches a map-style loader made by ``skip_first_batches`` skips in its sampler, never reporting them."""
+    return int(getattr(loader, "skip_batches", 0))
+
+
+def shuffles_unseeded(loader: Any) -> bool:
+    """A shuffled loader without a seedable sampler (``synchronized_generator``): its order cannot be replayed."""
+    return getattr(loader, "synchronized_generator", None) is not None
+
+
+def dataloader_of(loader: Any) -> Any:
+    """The torch DataLoader inside a prepared one (its settings, its collate_fn)."""
+    return getattr(loader, "base_dataloader", loader)
+
+
+def refresh_snapshot(loader: Any) -> None:
+    """After ``load_state_dict``, Accelerate's snapshot (``dl_state_dict``) is stale until the next batch:
+    renew it, which also makes the iterator from the loaded state now, before the RNG is restored."""
+    loader.dl_state_dict = loader.base_dataloader.state_dict()

@@ -1,0 +1,197 @@
+"""The ``.ckpt`` names Lightning reports, written as ordinary Lightning checkpoint files.
+
+``ModelCheckpoint`` and ``trainer.save_checkpoint(path)`` name, rank, link and delete checkpoint *files*, and
+users load those files with ``Model.load_from_checkpoint``, ``torch.load`` or a Trainer without this pack. The
+engine keeps each checkpoint as a committed ``step-<N>`` directory (the single source of truth, written in
+parallel by every rank); a name is materialised from it only after its local commit, in the background on
+rank 0: the step is read back (it is in the page cache) and written with ``torch.save`` to a temporary file
+that is then renamed over the name. So a name never exists before its data is committed, and never holds a
+partly written file.
+
+Names are recorded in ``<local_root>/names.json`` (path, step, what was asked for), so that a name still being
+written is waited for by a load, a name whose process died before writing it is written at the next start,
+and a load of a missing name can fall back to the step it was for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from resilience.export import read_committed, write_file_atomically
+from resilience.save_handle import SaveHandle
+from resilience.storage import LocalTier
+from resilience.worker import Worker
+
+log = logging.getLogger(__name__)
+REGISTRY = "names.json"
+METADATA_KEY = "training-resilience"  # in every materialised file: which run and step it came from
+
+# Builds the Lightning dict of a name from the restored step (shared state, rank 0's state) and the
+# top-level keys the save asked for (a weights-only save asks for fewer).
+Materialise = Callable[[Any, Any, list[str]], dict[str, Any]]
+
+
+@dataclass
+class Name:
+    """One name: where, which step, which top-level keys of the checkpoint dict, and whether it is written."""
+
+    path: str
+    step: int
+    keys: list[str]
+    run_id: str | None = None
+    written: bool = False
+
+
+class NameWriter:
+    """Writes names from committed steps, one at a time, off the training thread (rank 0 only).
+
+    Args:
+        local: The engine's local tier (the step directories are read from it).
+        materialise: Turns a restored step into the dict a name holds.
+    """
+
+    def __init__(self, local: LocalTier, materialise: Materialise, *, allow_pickle: bool = False):
+        self.local = local
+        self.materialise = materialise
+        self.allow_pickle = allow_pickle
+        self._path = os.path.join(local.root, REGISTRY)
+        self._lock = threading.Lock()
+        self._names: dict[str, Name] = self._read()
+        self._pending: dict[str, Future[None]] = {}
+        self._worker = Worker("resilience-names", self._next)
+
+    # ---- what the IO calls -----------------------------------------------------------------------------------
+
+    def add(self, path: str, step: int, keys: list[str], handle: SaveHandle | None, run_id: str | None) -> Future[None]:
+        """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is)."""
+        path = _absolute(path)
+        name = Name(path, step, list(keys), run_id)
+        if (
+            "://" not in path
+        ):  # the folder is there at once, as Lightning's own save leaves it (save_last links into it)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        future: Future[None] = Future()
+        with self._lock:
+            self._names[path] = name
+            self._store()
+            self._pending[path] = future
+        self._worker.put((name, handle, future))
+        return future
+
+    def _done(self, name: Name, future: Future[None]) -> None:
+        with self._lock:
+            if self._pending.get(name.path) is future:
+                self._pending.pop(name.path)
+
+    def pending(self, path: str) -> Future[None] | None:
+        with self._lock:
+            return self._pending.get(_absolute(path))
+
+    def lookup(self, path: str) -> Name | None:
+        with self._lock:
+            return self._names.get(_absolute(path))
+
+    def pending_steps(self) -> set[int]:
+        """Steps a name still has to be written from (retention must keep them)."""
+        with self._lock:
+            return {name.step for name in self._names.values() if not name.written}
+
+    def forget(self, path: str) -> None:
+        """``ModelCheckpoint`` removed the name: delete the file (after a write in flight) and its record."""
+        path = _absolute(path)
+        future = self.pending(path)
+        if future is not None:
+            with contextlib.suppress(Exception):
+                future.result()
+        with self._lock:
+            self._names.pop(path, None)
+            self._pending.pop(path, None)
+            self._store()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def repair(self, committed: set[int]) -> None:
+        """Queue the names a dead process never wrote, whose steps are committed (call at start-up)."""
+        with self._lock:
+            missing = [n for n in self._names.values() if not n.written or not os.path.exists(n.path)]
+        for name in missing:
+            if name.step in committed:
+                log.info("writing %s (step %d), which the previous run did not finish", name.path, name.step)
+                self.add(name.path, name.step, name.keys, None, name.run_id)
+
+    def wait(self) -> None:
+        """Every name asked for so far is written (or its error raised)."""
+        with self._lock:
+            futures = list(self._pending.values())
+        for future in futures:
+            future.result()
+
+    # ---- the background write ------------------------------------------------------------------------------
+
+    def _next(self, queue: list[tuple[Name, SaveHandle | None, Future[None]]]) -> None:
+        with self._worker.cond:
+            name, handle, future = queue.pop(0)
+        try:
+            self._write(name, handle)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            self._done(name, future)
+            future.set_result(None)
+
+    def _write(self, name: Name, handle: SaveHandle | None) -> None:
+        with self._lock:
+            if self._names.get(name.path) is not name:
+                return  # a later save of the same path (save_last, a re-saved top-k name) supersedes this one
+        try:
+            if handle is not None:
+                handle.committed.result()  # a failed save names nothing; its error is raised here and there
+            # This process hashed these files while writing them, and pickled what they hold; a repair after a
+            # restart checks them again, and unpickles only with the plugin's consent.
+            fresh = handle is not None
+            restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=fresh or self.allow_pickle)
+            checkpoint = self.materialise(restored.state, restored.rank_state, name.keys)
+            checkpoint[METADATA_KEY] = {"step": name.step, "run_id": name.run_id, "local_root": self.local.root}
+            write_file_atomically(checkpoint, name.path)
+        except BaseException:
+            log.exception("writing the checkpoint file %s failed", name.path)
+            raise
+        with self._lock:
+            if self._names.get(name.path) is name:
+                name.written = True
+                self._store()
+
+    # ---- the record ----------------------------------------------------------------------------------------
+
+    def _read(self) -> dict[str, Name]:
+        try:
+            with open(self._path) as stream:
+                body = json.load(stream)
+            return {item["path"]: Name(**item) for item in body.get("names", [])}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("ignoring the unreadable name record %s (%s)", self._path, exc)
+            return {}
+
+    def _store(self) -> None:
+        tmp = f"{self._path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as stream:
+                json.dump({"names": [asdict(n) for n in self._names.values()]}, stream, indent=1)
+            os.replace(tmp, self._path)
+        except OSError as exc:  # a full disk must not stop training; names are written all the same
+            log.warning("could not update %s: %s", self._path, exc)
+
+
+def _absolute(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    return text if "://" in text else os.path.abspath(text)

@@ -1,0 +1,102 @@
+"""The Lightning hooks that drive the engine's training session; every callback of the pack is one of these.
+
+Each pack callback adds its part to the session (health, interval, goodput, resume) when it is set up; the
+hooks below are the same for all of them and idempotent in the session, so any one of them, or several,
+drive the step boundary exactly once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+from resilience.session import TrainingSession
+
+
+def resilient_io(trainer: pl.Trainer, who: str) -> ResilientCheckpointIO:
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, ResilientCheckpointIO):
+        raise TypeError(
+            f"{who} works through ResilientCheckpointIO: add it to the Trainer, "
+            "Trainer(plugins=[ResilientCheckpointIO(...)]) (or strategy='resilient_ddp' under DDP)"
+        )
+    return io
+
+
+class SessionCallback(Callback):
+    """Wires Lightning's fit hooks to the training session of the Trainer's ``ResilientCheckpointIO``."""
+
+    _session: TrainingSession | None = None
+    _paused: AbstractContextManager[None] | None = None
+
+    def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
+        """Add this callback's part to the session (before training starts); collective where it must be."""
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        session = resilient_io(trainer, type(self).__name__).bind(trainer)
+        if session is not self._session:
+            self._session = session
+            self.configure(session, trainer)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None:
+            self._session.start(trainer.global_step)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._session is not None:
+            self._session.step_begin(trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        session = self._session
+        if session is None or not session.started:
+            return
+        # only at optimizer-step boundaries (global_step moved): a save mid-accumulation would lose gradients
+        if session.last_step != trainer.global_step:
+            boundary = session.step_end(trainer.global_step)
+            if boundary.stop is not None:
+                session.exit()  # SystemExit with the stop's code, after the ledger and loggers are done
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._session is not None and trainer.training and self._paused is None:
+            self._paused = self._session.paused()  # validation is not a hung training step
+            self._paused.__enter__()
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._paused is not None:
+            self._paused.__exit__(None, None, None)
+            self._paused = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        session, self._session = self._session, None
+        if session is not None and not session.ended:
+            session.end(exception, close_manager=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._session = None  # the plugin's teardown ends the session: last saves, ledger, monitors
+
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.save(trainer)`` pickles callbacks: the live session stays behind."""
+        state = dict(self.__dict__)
+        state.pop("_session", None)
+        state.pop("_paused", None)
+        return state

@@ -1,0 +1,65 @@
+"""The ``resilience`` command as a user runs it: distinct exit codes, step folders, --version, pipes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience import CheckpointConfig, CheckpointManager, __version__
+from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
+from resilience.cli import main as cli
+from tests.helpers import ROOT, base_env
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "resilience.cli", *args], cwd=ROOT, env=base_env(), capture_output=True, text=True
+    )
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt")) as manager:
+        manager.save(3, {"w": torch.arange(1000.0)})
+    return tmp_path / "ckpt"
+
+
+def test_exit_codes_tell_success_failed_checks_usage_and_missing_roots(root: Path, tmp_path: Path) -> None:
+    assert cli(["verify", str(root)]) == EXIT_OK
+    assert cli(["ls", str(tmp_path / "nowhere")]) == EXIT_NOT_FOUND
+    assert cli(["upload", str(tmp_path / "nowhere"), str(tmp_path / "durable")]) == EXIT_NOT_FOUND
+    assert cli(["report", str(tmp_path / "nowhere")]) == EXIT_NOT_FOUND
+    assert cli(["ls", "s3//bucket/run"]) == EXIT_ERROR  # a mistyped URL is an error, not an empty folder
+    with pytest.raises(SystemExit) as usage:
+        cli(["verify"])
+    assert usage.value.code == EXIT_USAGE
+    shard = next(root.glob("step-3/__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli(["verify", str(root)]) == EXIT_FAILED
+
+
+def test_verify_takes_a_step_folder(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["verify", str(root / "step-3")]) == EXIT_OK
+    assert "OK   step 3" in capsys.readouterr().out
+    assert cli(["ls", str(root / "step-3"), "--json"]) == EXIT_OK
+
+
+def test_version_and_a_closed_pipe(root: Path) -> None:
+    shown = run("--version")
+    assert shown.returncode == 0 and __version__ in shown.stdout
+    assert "exit codes" in run("--help").stdout
+    piped = subprocess.run(
+        f"{sys.executable} -m resilience.cli ls {root} --json | head -c 1",
+        shell=True,
+        cwd=ROOT,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
