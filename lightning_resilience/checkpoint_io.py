@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -36,6 +37,7 @@ from lightning_resilience.lightning_state import (
 from lightning_resilience.names import NameWriter
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, StagingBarrier, VerifyLevel, WhenBusy
+from resilience.export import write_file_atomically
 from resilience.layout import parse_step_dirname
 from resilience.session import TrainingSession
 from resilience.staging import barrier_for
@@ -77,6 +79,9 @@ class ResilientCheckpointIO(CheckpointIO):
         allow_pickle: Allow loading values that had to be pickled (e.g. custom objects in ``hyper_parameters``).
         local_shared: Whether ``local_root`` is one file system all nodes see (default: only on a single host).
         collective_timeout_s: Timeout of the checkpoint collectives' gloo groups.
+        sync_names_below_mb: A checkpoint with less tensor data than this gets its file before ``save_checkpoint``
+            returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the
+            background.
     """
 
     def __init__(
@@ -98,6 +103,7 @@ class ResilientCheckpointIO(CheckpointIO):
         allow_pickle: bool = False,
         local_shared: bool | None = None,
         collective_timeout_s: float = 600.0,
+        sync_names_below_mb: float = 64.0,
     ) -> None:
         self.config = CheckpointConfig(
             local_root=LocalTier(local_root).root,
@@ -126,7 +132,9 @@ class ResilientCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._session: TrainingSession | None = None
         self._names: NameWriter | None = None
+        self.sync_names_below_mb = sync_names_below_mb
         self.resumed_at_epoch_end = False
+        self._warned_rank0_only = False
         _LIVE.add(self)
 
     # ---- the engine -----------------------------------------------------------------------------------------
@@ -180,24 +188,24 @@ class ResilientCheckpointIO(CheckpointIO):
     # ---- CheckpointIO ---------------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                "ResilientCheckpointIO does not take storage_options per save; configure durable_url and "
-                "storage_options on the plugin instead"
-            )
+        """Inside ``fit()``: an asynchronous engine save, and the file at ``path`` once it is committed. Outside
+        it: the same engine save, and the file written at once, the way Lightning's own plugin writes it."""
         trainer = calling_trainer() or self._trainer
-        if (
-            dist.is_available()
-            and dist.is_initialized()
-            and dist.get_world_size() > 1
-            and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False)
-        ):
-            raise RuntimeError(
-                "ResilientCheckpointIO was called on one rank only: with several processes use "
-                "strategy='resilient_ddp' (or ResilientDDPStrategy), which lets every rank write its part"
-            )
+        if _several_processes() and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False):
+            # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
+            # this way); a collective save would wait for ranks that never come: save as Lightning does, once.
+            if not self._warned_rank0_only:
+                self._warned_rank0_only = True
+                rank_zero_warn(
+                    "ResilientCheckpointIO is called on rank 0 only under this strategy, so its saves are plain "
+                    "synchronous Lightning files; use strategy='resilient_ddp' for asynchronous saves every rank "
+                    "writes its part of"
+                )
+            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
         session = self.bind(trainer) if trainer is not None else self.session
         step = int(checkpoint.get("global_step", 0))
+        fitting = _fitting(trainer)
         with session.blocking():
             handle = session.manager.saved(step)
             if handle is None:
@@ -207,14 +215,28 @@ class ResilientCheckpointIO(CheckpointIO):
                 else:
                     state = split_checkpoint(checkpoint)
                 handle = session.save(step, state, reason="named")
-            name = None
-            if self._names is not None and handle is not None:
-                name = self._names.add(os.fspath(path), step, list(checkpoint), handle, session.manager.run_id)
-            if not _fitting(trainer):  # nothing to overlap with: the file is there when the call returns
+            keys, run_id = list(checkpoint), session.manager.run_id
+            if fitting and _tensor_bytes(checkpoint) >= self.sync_names_below_mb * 2**20:
+                if self._names is not None and handle is not None:
+                    self._names.add(os.fspath(path), step, keys, handle, run_id, storage_options)
+                return
+            if fitting:  # small: the name is there when the call returns, as with Lightning's own plugin
                 if handle is not None:
                     handle.committed.result()
-                if name is not None:
-                    name.result()
+                if self._names is not None:
+                    write_file_atomically(
+                        {**checkpoint, **self._names.metadata(step, run_id)}, path, storage_options=storage_options
+                    )
+                    self._names.written(os.fspath(path), step, keys, run_id)
+                return
+        # nothing to overlap with: the file is there when the call returns, written by Lightning's own plugin
+        if self._names is not None:
+            TorchCheckpointIO().save_checkpoint(
+                {**checkpoint, **self._names.metadata(step, run_id)}, path, storage_options=storage_options
+            )
+            self._names.written(os.fspath(path), step, keys, run_id)
+        if handle is not None:
+            handle.committed.result()
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -356,6 +378,20 @@ def _fitting(trainer: pl.Trainer | None) -> bool:
     return (
         trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
     )
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _several_processes() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _first_process_of_node() -> bool:

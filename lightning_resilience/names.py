@@ -67,13 +67,26 @@ class NameWriter:
         self._names: dict[str, Name] = self._read()
         self._pending: dict[str, Future[None]] = {}
         self._worker = Worker("resilience-names", self._next)
+        self._options: dict[str, dict[str, Any]] = {}
 
     # ---- what the IO calls -----------------------------------------------------------------------------------
 
-    def add(self, path: str, step: int, keys: list[str], handle: SaveHandle | None, run_id: str | None) -> Future[None]:
-        """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is)."""
+    def add(
+        self,
+        path: str,
+        step: int,
+        keys: list[str],
+        handle: SaveHandle | None,
+        run_id: str | None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Future[None]:
+        """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is).
+
+        ``storage_options``: fsspec options for a ``path`` that is a URL (Lightning's per-save argument).
+        """
         path = _absolute(path)
         name = Name(path, step, list(keys), run_id)
+        self._options[path] = dict(storage_options or {})
         if (
             "://" not in path
         ):  # the folder is there at once, as Lightning's own save leaves it (save_last links into it)
@@ -90,6 +103,17 @@ class NameWriter:
         with self._lock:
             if self._pending.get(name.path) is future:
                 self._pending.pop(name.path)
+
+    def written(self, path: str, step: int, keys: list[str], run_id: str | None) -> None:
+        """Record a name the caller wrote itself (a save outside ``fit()`` writes its file at once)."""
+        path = _absolute(path)
+        with self._lock:
+            self._names[path] = Name(path, step, list(keys), run_id, written=True)
+            self._store()
+
+    def metadata(self, step: int, run_id: str | None) -> dict[str, Any]:
+        """What every file made from an engine step carries: which run and step it came from."""
+        return {METADATA_KEY: {"step": step, "run_id": run_id, "local_root": self.local.root}}
 
     def pending(self, path: str) -> Future[None] | None:
         with self._lock:
@@ -159,8 +183,8 @@ class NameWriter:
             fresh = handle is not None
             restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=fresh or self.allow_pickle)
             checkpoint = self.materialise(restored.state, restored.rank_state, name.keys)
-            checkpoint[METADATA_KEY] = {"step": name.step, "run_id": name.run_id, "local_root": self.local.root}
-            write_file_atomically(checkpoint, name.path)
+            checkpoint.update(self.metadata(name.step, name.run_id))
+            write_file_atomically(checkpoint, name.path, storage_options=self._options.get(name.path))
         except BaseException:
             log.exception("writing the checkpoint file %s failed", name.path)
             raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import uuid
 from typing import Any
 
@@ -37,17 +38,21 @@ def read_committed(
     return run_load(entry, plan, group=None, allow_pickle=allow_pickle)
 
 
-def write_file_atomically(obj: Any, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+def write_file_atomically(
+    obj: Any, path: str | os.PathLike[str], *, fsync: bool = True, storage_options: dict[str, Any] | None = None
+) -> None:
     """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one.
 
-    Local paths: a temporary file beside it, flushed, then renamed over it. URLs (fsspec): one upload of a
-    local temporary file, which object stores make visible all at once.
+    Local paths: a temporary file beside it, flushed, then renamed over it. URLs (fsspec, with
+    ``storage_options``): one upload of a local temporary file, which object stores make visible all at once.
     """
     text = os.fspath(path)
-    fs, target = url_to_fs(text)
+    fs, target = url_to_fs(text, **(storage_options or {}))
     local = "://" not in text or text.startswith("file://")
     directory = os.path.dirname(target) if local else None
-    tmp = os.path.join(directory or ".", f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(
+        directory or tempfile.gettempdir(), f".{os.path.basename(target)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
     if directory:
         os.makedirs(directory, exist_ok=True)
     try:

@@ -195,7 +195,7 @@ class CheckpointManager:
             self.groups.control.agree(own)
             self.owner = owner
             self.run_id = chosen
-        self.groups.control.agree(lambda: self._check_lineage(resumed_from))
+        self._check_lineage(resumed_from)  # collective: every rank takes the same branch
         self._branch_from = resumed_from
         if resumed_from is not None:
             self._handles = {s: h for s, h in self._handles.items() if s <= resumed_from}
@@ -213,18 +213,45 @@ class CheckpointManager:
             self.local.remove_dir(entry.path)
 
     def _check_lineage(self, resumed_from: int | None) -> None:
-        """No step of another run may look like this run's: a fresh start on a root with checkpoints is refused."""
-        if self.rank != 0 or resumed_from is not None:
+        """No step of another run may look like this run's, when this one starts fresh.
+
+        Another run's checkpoints that only the local tier holds are moved to ``superseded/run-<id>-<time>/``
+        (re-running a script keeps working, and nothing is lost); ones in the durable tier cannot be moved
+        without copying them, and the new run's uploads would overwrite them: that start is refused.
+        """
+        if resumed_from is not None:
             return
         with self._lock:
             committed = sorted(self._known_steps)
-        if committed:
+        if not committed:
+            return
+        durable = self.groups.control.decide(
+            lambda: [e.step for e in catalog.scan(self.durable) if e.committed] if self.durable is not None else []
+        )
+        if durable:
             raise ConfigError(
-                f"{self._where()} already holds checkpoints of another run (steps {_steps_text(committed)}), and "
-                "this run starts fresh: its saves would be mixed up with those. Resume that run (Lightning: "
-                "AutoResume() or fit(ckpt_path='last'); Accelerate: resilience.resume()), point local_root (and "
-                "durable_url) at a new directory, or move the old checkpoints away"
+                f"{self._where()} already holds checkpoints of another run (steps {_steps_text(sorted(durable))}), and "
+                "this run starts fresh: its saves would overwrite those. Resume that run (Lightning: AutoResume() "
+                "or fit(ckpt_path='last'); Accelerate: resilience.resume()), or point local_root and durable_url "
+                "at a new directory"
             )
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        folder = f"{SUPERSEDED_DIR}/run-{stamp}"
+        if self.rank == 0:
+            log.warning(
+                "%s holds checkpoints of an earlier run (steps %s) and this run starts fresh: moving them to %s/%s "
+                "(to continue that run instead, resume it: AutoResume(), fit(ckpt_path='last'), resilience.resume())",
+                self._where(),
+                _steps_text(committed),
+                self.local.root,
+                folder,
+            )
+        if self.is_local_leader:
+            for step, path in self.local.list_steps().items():
+                self.local.rename(path, self.local.path(folder, aside_name(step, stamp)))
+        with self._lock:
+            self._known_steps.clear()
+        self._handles.clear()
 
     def _leave_abandoned_branch(self, resumed_from: int) -> None:
         """Before a run resumed from an older step writes: set aside the steps newer than it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,13 +24,18 @@ from tests.helpers import ROOT, base_env
 
 
 def trainer_for(
-    root: Path, *callbacks: pl.Callback, max_steps: int = 12, io: ResilientCheckpointIO | None = None
+    root: Path,
+    *callbacks: pl.Callback,
+    max_steps: int = 12,
+    io: ResilientCheckpointIO | None = None,
+    sync_below_mb: float = 0.0,
 ) -> pl.Trainer:
+    """``sync_below_mb=0``: every name is written in the background, as a large state's would be."""
     pl.seed_everything(7)
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        plugins=[io or ResilientCheckpointIO(str(root / "ckpt"), keep_last=2)],
+        plugins=[io or ResilientCheckpointIO(str(root / "ckpt"), keep_last=2, sync_names_below_mb=sync_below_mb)],
         callbacks=list(callbacks),
         max_steps=max_steps,
         logger=False,
@@ -58,12 +64,15 @@ def assert_lightning_file(path: Path, step: int, *, full: bool = True) -> dict[s
     return checkpoint
 
 
+@pytest.mark.parametrize("sync_below_mb", [0.0, 64.0], ids=["background", "small-state-at-once"])
 @pytest.mark.parametrize("save_last", [True, "link"])
-def test_top_k_and_last_names_are_lightning_files_that_load_anywhere(tmp_path: Path, save_last: object) -> None:
+def test_top_k_and_last_names_are_lightning_files_that_load_anywhere(
+    tmp_path: Path, save_last: object, sync_below_mb: float
+) -> None:
     checkpoint = ModelCheckpoint(
         dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=2, monitor="train_loss", save_last=save_last
     )
-    trainer = trainer_for(tmp_path, checkpoint)
+    trainer = trainer_for(tmp_path, checkpoint, sync_below_mb=sync_below_mb)
     trainer.fit(DemoModel(), DemoData())
     names = {p.name for p in (tmp_path / "names").iterdir()}
     assert len(names - {"last.ckpt"}) == 2 and "last.ckpt" in names  # top-k removed the others' files
@@ -125,22 +134,43 @@ def test_save_then_validate_the_same_path_and_a_plain_checkpoint_loads(tmp_path:
     assert io.load_checkpoint(tmp_path / "old.ckpt")["global_step"] == 3
 
 
-def test_a_fresh_run_on_a_root_with_another_runs_steps_is_refused_before_training(tmp_path: Path) -> None:
+def test_a_fresh_run_never_aliases_another_runs_steps(tmp_path: Path) -> None:
+    """Re-running a script: the earlier run's checkpoints move aside (local tier only) and stay loadable."""
     names = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4)
-    trainer_for(tmp_path, names, AutoResume(), max_steps=8).fit(DemoModel(), DemoData())
-    before = json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text())
+    trainer_for(tmp_path, names, max_steps=8).fit(DemoModel(), DemoData())
+    first = torch.load(tmp_path / "names" / "epoch=0-step=8.ckpt", weights_only=True)
+    again = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4)
+    trainer_for(tmp_path, again, max_steps=8).fit(DemoModel(hidden=16), DemoData())
+    assert committed(tmp_path) == {4, 8}  # this run's own
+    moved = sorted(p.name for p in (tmp_path / "ckpt" / "superseded").glob("run-*/step-*"))
+    assert [name.split("-")[1] for name in moved] == ["4", "8"]  # the first run's, kept
+    assert torch.equal(
+        torch.load(tmp_path / "names" / "epoch=0-step=8.ckpt", weights_only=True)["state_dict"]["net.0.weight"],
+        first["state_dict"]["net.0.weight"],
+    )  # noqa: E501
+    second = torch.load(tmp_path / "names" / "epoch=0-step=8-v1.ckpt", weights_only=True)  # Lightning versions it
+    assert second["state_dict"]["net.0.weight"].shape == (16, 16), "the second run's name holds its own weights"
+
+
+def test_a_fresh_run_on_another_runs_durable_checkpoints_is_refused_before_training(tmp_path: Path) -> None:
+    def io() -> ResilientCheckpointIO:
+        return ResilientCheckpointIO(str(tmp_path / "ckpt"), durable_url=f"file://{tmp_path}/durable", keep_last=2)
+
+    names = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4)
+    trainer_for(tmp_path, names, AutoResume(), max_steps=8, io=io()).fit(DemoModel(), DemoData())
+    before = json.loads((tmp_path / "durable" / "step-8" / "manifest.json").read_text())
+    shutil.rmtree(tmp_path / "ckpt")  # a new node, say: only the durable copy is left
     # with any of the pack's callbacks the run is refused when training starts ...
-    names2 = ModelCheckpoint(dirpath=tmp_path / "names2", every_n_train_steps=4)
-    second = trainer_for(tmp_path, names2, GoodputMonitor(), max_steps=8)
-    with pytest.raises(ConfigError, match=r"already holds checkpoints of another run.*AutoResume"):
+    second = trainer_for(tmp_path, GoodputMonitor(), max_steps=8, io=io())
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of another run.*would overwrite.*AutoResume"):
         second.fit(DemoModel(), DemoData())
     assert second.global_step == 0, "refused before the first step"
     # ... with the plugin alone, at its first save (Lightning tells a CheckpointIO nothing earlier)
-    plugin_only = trainer_for(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names2", every_n_train_steps=4))
+    plugin_only = trainer_for(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names2", every_n_train_steps=4), io=io())
     with pytest.raises(ConfigError, match="already holds checkpoints of another run"):
         plugin_only.fit(DemoModel(), DemoData())
-    assert json.loads((tmp_path / "ckpt" / "step-8" / "manifest.json").read_text()) == before
-    assert committed(tmp_path) == {4, 8} and not list((tmp_path / "names2").glob("*.ckpt"))
+    assert json.loads((tmp_path / "durable" / "step-8" / "manifest.json").read_text()) == before
+    assert not list((tmp_path / "names2").glob("*.ckpt"))
 
 
 def test_torch_save_of_a_trainer_with_the_pack(tmp_path: Path) -> None:
