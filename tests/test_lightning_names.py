@@ -147,7 +147,7 @@ def test_a_fresh_run_never_aliases_another_runs_steps(tmp_path: Path) -> None:
     assert torch.equal(
         torch.load(tmp_path / "names" / "epoch=0-step=8.ckpt", weights_only=True)["state_dict"]["net.0.weight"],
         first["state_dict"]["net.0.weight"],
-    )  # noqa: E501
+    )
     second = torch.load(tmp_path / "names" / "epoch=0-step=8-v1.ckpt", weights_only=True)  # Lightning versions it
     assert second["state_dict"]["net.0.weight"].shape == (16, 16), "the second run's name holds its own weights"
 
