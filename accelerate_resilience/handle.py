@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterable
@@ -32,6 +33,7 @@ from resilience.goodput.ledger import process_start_time
 from resilience.health import HealthConfig
 from resilience.layout import parse_step_dirname
 from resilience.manager import CheckpointManager
+from resilience.peer_loss import PeerLossConfig
 from resilience.rng import capture_rng
 from resilience.save_handle import SaveHandle
 from resilience.session import Boundary, SaveState, TrainingSession
@@ -111,6 +113,9 @@ class ResilienceHandle:
         if plugin.goodput:
             self.session.use_goodput(plugin.goodput_config(self.run_dir), process_start=_incarnation_start())
         self.session.use_interval(plugin.interval_config())
+        self.session.use_peer_loss(
+            PeerLossConfig(enabled=bool(plugin.survivor_saves), grace_s=float(plugin.grace_s or 0))
+        )
         if health is not None or plugin.health:
             self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
         self.global_step = 0
@@ -127,6 +132,9 @@ class ResilienceHandle:
             setattr(accelerator, name, getattr(self, f"_routed_{name}"))
         accelerator._resilience_handle = self
         self._closed = False
+        # a loop not inside `with attach(...)` that dies on a lost peer's collective still gets its survivor save
+        self._excepthook_before = sys.excepthook
+        sys.excepthook = self._uncaught
         if not compat.models(accelerator) and accelerator.is_main_process:
             warnings.warn(
                 "attach() found no prepared model: call it after accelerator.prepare(...), so that step counting, "
@@ -288,8 +296,11 @@ class ResilienceHandle:
         self._close(None)
 
     def _close(self, failure: BaseException | None) -> None:
+        if failure is not None and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
+            self.session.on_failure(failure)  # a lost peer: the survivors save and exit; else it goes on as it is
         if not self._closed:
             self._closed = True
+            sys.excepthook = self._excepthook_before
             if self.session.started:
                 self._boundary()  # the last step: no batch after it ended it
             self._release()
@@ -307,6 +318,11 @@ class ResilienceHandle:
         for name in _ROUTED:
             self.accelerator.__dict__.pop(name, None)
         self.accelerator._resilience_handle = None
+
+    def _uncaught(self, kind: type[BaseException], error: BaseException, trace: Any) -> None:
+        if not self._closed:
+            self._close(error)
+        self._excepthook_before(kind, error, trace)
 
     def __enter__(self) -> ResilienceHandle:
         return self

@@ -126,8 +126,12 @@ class ResiliencePlugin:
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
             fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
             Default: false.
-        grace_s: With health: seconds from a fault until the process must be on its way out (the emergency
-            save's local commit must fit, the upload gets what is left). Default: 25.
+        grace_s: Seconds from a fault (or a lost peer) until the process must be on its way out (the emergency
+            or survivor save's local commit must fit, the upload gets what is left). Default: 25.
+        survivor_saves: When a rank dies or hangs, the healthy ranks commit the last completed step from their
+            replicas and exit 75 (needs a ``local_dir`` every rank sees). Default: true.
+        persist: Where the background half of saves runs: ``"process"`` (a helper process per rank, reading
+            the staged state from shared memory) or ``"thread"``. Default: ``"process"``.
         goodput: Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went,
             across restarts. Only the main process writes it. Default: true.
         run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several
@@ -159,6 +163,8 @@ class ResiliencePlugin:
     allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
     health: bool | None = field(default=None, metadata=_env(False, _boolean))
     grace_s: float | None = field(default=None, metadata=_env(25.0, _number))
+    survivor_saves: bool | None = field(default=None, metadata=_env(True, _boolean))
+    persist: str | None = field(default=None, metadata=_env("process", _text))
     mtbf_hours: float | None = field(default=None, metadata=_env(None, _number))
     min_interval_s: float | None = field(default=None, metadata=_env(60.0, _number))
     max_interval_s: float | None = field(default=None, metadata=_env(6 * 3600.0, _number))
@@ -211,6 +217,7 @@ class ResiliencePlugin:
                 upload_retries=int(self.upload_retries if self.upload_retries is not None else 0),
                 upload_backoff_s=float(self.upload_backoff_s if self.upload_backoff_s is not None else 0),
                 local_shared=self.local_shared,
+                persist=self.persist,  # type: ignore[arg-type]
             )
         except ConfigError as exc:
             raise ConfigError(self._blame(str(exc))) from None

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_resilience.lightning_state import (
     as_name,
+    boundary_snapshot,
     drop_foreign_rank_state,
     full_state,
     is_weights_only,
@@ -36,9 +37,10 @@ from lightning_resilience.lightning_state import (
 )
 from lightning_resilience.names import NameWriter
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
-from resilience.config import OnUploadError, StagingBarrier, VerifyLevel, WhenBusy
+from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.export import write_file_atomically
 from resilience.layout import parse_step_dirname
+from resilience.peer_loss import PeerLossConfig
 from resilience.session import TrainingSession
 from resilience.staging import barrier_for
 from resilience.storage import DurableTier, LocalTier
@@ -82,6 +84,10 @@ class ResilientCheckpointIO(CheckpointIO):
         sync_names_below_mb: A checkpoint with less tensor data than this gets its file before ``save_checkpoint``
             returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the
             background.
+        persist: ``"process"``: the background half of saves runs in a helper process per rank (no contention
+            with the training thread for the interpreter lock); ``"thread"``: in threads of the training process.
+        survivor_saves: When a rank dies or hangs (with one of the pack's callbacks), the healthy ranks commit
+            the last completed step from their replicas and exit 75; ``False`` turns it off.
     """
 
     def __init__(
@@ -104,6 +110,8 @@ class ResilientCheckpointIO(CheckpointIO):
         local_shared: bool | None = None,
         collective_timeout_s: float = 600.0,
         sync_names_below_mb: float = 64.0,
+        persist: Persist = "process",
+        survivor_saves: bool = True,
     ) -> None:
         self.config = CheckpointConfig(
             local_root=LocalTier(local_root).root,
@@ -123,7 +131,9 @@ class ResilientCheckpointIO(CheckpointIO):
             allow_pickle=allow_pickle,
             local_shared=local_shared,
             collective_timeout_s=collective_timeout_s,
+            persist=persist,
         )
+        self.survivor_saves = survivor_saves
         if _first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
             LocalTier(self.config.local_root).check_writable()
             if durable_url:
@@ -149,8 +159,14 @@ class ResilientCheckpointIO(CheckpointIO):
             return self._session
         self._close_session(None)
         manager = self._engine(trainer)
-        session = TrainingSession(manager, lambda step: full_state(trainer), is_main=trainer.is_global_zero)
+        session = TrainingSession(
+            manager,
+            lambda step: full_state(trainer),
+            is_main=trainer.is_global_zero,
+            boundary=lambda step: boundary_snapshot(trainer, step),
+        )
         session.add_sink(lambda metrics: _log(trainer, metrics))
+        session.use_peer_loss(PeerLossConfig(enabled=self.survivor_saves))
         self._trainer, self._session = trainer, session
         return session
 

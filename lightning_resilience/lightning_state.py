@@ -7,11 +7,13 @@ go into the per-rank part; everything else is the shared part, identical across 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 
+from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
 from resilience.session import SaveState
 
@@ -45,6 +47,20 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> SaveState:
 def full_state(trainer: pl.Trainer) -> SaveState:
     """What the session saves on its own (interval and emergency saves): everything a resume needs."""
     return split_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+
+
+def boundary_snapshot(trainer: pl.Trainer, step: int) -> BoundarySnapshot:
+    """The state at a step boundary, for a survivor save: the loops (with each loader's position) and the RNG
+    by value now, cheaply; the rest, with its hooks (``on_save_checkpoint``), only if a survivor save comes."""
+    fit_loop = trainer.fit_loop.state_dict()
+    rank_state = {"rng": capture_rng(), "combined_loader": fit_loop.get("state_dict", {}).get(_LOADER_PATH[-1])}
+
+    def shared() -> SaveState:
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint["loops"] = {**checkpoint.get("loops", {}), "fit_loop": fit_loop}
+        return dataclasses.replace(split_checkpoint(checkpoint), rank_state=rank_state)
+
+    return BoundarySnapshot(step, rank_state, shared)
 
 
 def merge_checkpoint(shared: dict[str, Any], rank_state: dict[str, Any] | None) -> dict[str, Any]:

@@ -86,8 +86,11 @@ class SessionCallback(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         session, self._session = self._session, None
-        if session is not None and not session.ended:
-            session.end(exception, close_manager=False)
+        if session is None or session.ended:
+            return
+        if not isinstance(exception, (SystemExit, KeyboardInterrupt)):
+            session.on_failure(exception)  # a lost peer: the survivors save and exit; else it goes on as it is
+        session.end(exception, close_manager=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

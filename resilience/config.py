@@ -11,6 +11,7 @@ from resilience.errors import ConfigError
 WhenBusy = Literal["wait", "skip"]
 VerifyLevel = Literal["auto", "size", "full"]
 OnUploadError = Literal["raise", "warn"]
+Persist = Literal["process", "thread"]
 StagingBarrier = Literal["auto", "optimizer_step", "forward"]
 
 
@@ -53,6 +54,13 @@ class CheckpointConfig:
             storage runs code when loaded.
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
         local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one host).
+        persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):
+            ``"process"``, a helper process per rank reading the staged state from shared memory, so none of it
+            competes with the training thread for the interpreter lock; or ``"thread"``, threads of the
+            training process (no shared memory needed).
+        on_helper_death: With ``persist="process"``: when a rank's helper process dies, the next save
+            ``"restart"`` s every rank's helper and goes on (the saves it held are failed, never committed), or
+            ``"raise"`` s, stopping training with the cause.
     """
 
     local_root: str | os.PathLike[str]
@@ -74,6 +82,8 @@ class CheckpointConfig:
     allow_pickle: bool = False
     collective_timeout_s: float = 600.0
     local_shared: bool | None = None
+    persist: Persist = "process"
+    on_helper_death: Literal["restart", "raise"] = "restart"
 
     def __post_init__(self) -> None:
         self.local_root = os.fspath(self.local_root)
@@ -90,6 +100,8 @@ class CheckpointConfig:
         _check_choice("verify", self.verify, ("auto", "size", "full"))
         _check_choice("staging_barrier", self.staging_barrier, ("auto", "optimizer_step", "forward"))
         _check_choice("on_upload_error", self.on_upload_error, ("raise", "warn"))
+        _check_choice("persist", self.persist, ("process", "thread"))
+        _check_choice("on_helper_death", self.on_helper_death, ("restart", "raise"))
         for name in ("write_threads", "upload_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: use 1 or more")

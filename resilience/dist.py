@@ -16,14 +16,13 @@ from __future__ import annotations
 import pickle
 import socket
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from resilience.errors import CheckpointError, GroupBrokenError, describe
 
@@ -53,29 +52,6 @@ class Topology:
     @property
     def single_host(self) -> bool:
         return len(set(self.hosts)) == 1
-
-
-def share_of_replicated(tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """The tensors this rank copies and writes: its share of the plain ones, and all of its DTensor shards.
-
-    Plain tensors of a shared state are the same on every rank (DDP's replicas), so each needs copying and
-    writing once, not once per rank. They are dealt out in order, each to the rank with the fewest bytes so far
-    (ties to the lowest rank): every rank computes the same split from the same sizes, without a message, and
-    stages only its share, so the copy a save blocks for shrinks with the number of ranks.
-    """
-    if world_size == 1:
-        return dict(tensors)
-    load = [0] * world_size
-    mine: dict[str, torch.Tensor] = {}
-    for key, tensor in tensors.items():
-        if isinstance(tensor, DTensor):
-            mine[key] = tensor
-            continue
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += tensor.numel() * tensor.element_size()
-        if owner == rank:
-            mine[key] = tensor
-    return mine
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ _ALLOWED_GLOBALS = {
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` with an exact allow-list: DCP's metadata classes, dtypes, sizes, paths.
 
     Anything else (a function to call, a class with side effects) is refused, so even a tampered file
@@ -104,7 +104,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def load_dcp_metadata(entry: Entry) -> Metadata:
     data = read_verified(entry, DCP_METADATA)
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as exc:
         raise CorruptCheckpointError(f"{entry.where()}: DCP metadata is not readable ({exc})") from exc
     if not isinstance(metadata, Metadata):

@@ -20,17 +20,19 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog
 from resilience.config import CheckpointConfig, WhenBusy
-from resilience.dist import Groups, share_of_replicated
+from resilience.dist import Groups
 from resilience.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -41,6 +43,7 @@ from resilience.errors import (
     describe,
 )
 from resilience.events import Events, Listener
+from resilience.helper import HelperPipeline, HelperSettings, helper_log_level, helper_preload, start_store
 from resilience.layout import (
     CORRUPT_MANIFEST,
     MANIFEST,
@@ -57,6 +60,7 @@ from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
+from resilience.survivors import only_held_by, share_among
 from resilience.tree import flatten
 
 log = logging.getLogger(__name__)
@@ -111,28 +115,24 @@ class CheckpointManager:
         self.stats = SaveStats()
         self.run_id: str | None = None
         self.owner: Owner | None = None
+        self.device_unreadable: str | None = None  # why this rank's GPU must not be read again (a fatal fault)
+        self.exit_timeout_s: float | None = None  # how long the process exit waits for saves (None: until done)
         self._branch_from: int | None = None
         self._owners = Owners(self.local.root)
         self._known_steps: set[int] = self._startup_checks()
+        # names this job's incarnation among others on the same root (liveness records, survivor notes)
+        self.job_token: str = self.groups.control.decide(lambda: uuid.uuid4().hex[:12])
         self._handles: dict[int, SaveHandle] = {}
         self._restored: Restored | None = None
-        self._stager = HostStager(config.pin_memory)
+        self._stager = HostStager(config.pin_memory, shared=config.persist == "process")
         self._staging: StagingJob | None = None
         self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
         self._lock = threading.Lock()
-        self.pipeline = Pipeline(
-            config,
-            self.local,
-            self.durable,
-            self.topology,
-            self.groups.writer,
-            self.groups.upload,
-            self.local_shared,
-            self.events,
-            self._note_committed,
-            protected_steps or set,
-        )
+        self._protected_steps = protected_steps or set
+        self._helper_generation = 0
+        self._helper_store: Any = None
+        self.pipeline: Pipeline | HelperPipeline = self._start_pipeline()
         self._closed = False
         _OPEN.add(self)
         # Last registered runs first: before the exit hooks of a process group made before this manager
@@ -141,6 +141,63 @@ class CheckpointManager:
         atexit.register(_finish_at_exit)
 
     # ---- start-up ----------------------------------------------------------------------------------------------
+
+    def _start_pipeline(self) -> Pipeline | HelperPipeline:
+        """The background half of saves: a helper process per rank (collective: they form a group), or threads."""
+        if self.config.persist == "thread":
+            return Pipeline(
+                self.config,
+                self.local,
+                self.durable,
+                self.topology,
+                self.groups.writer,
+                self.groups.upload,
+                self.local_shared,
+                self.events,
+                self._note_committed,
+                self._protected_steps,
+            )
+        if self._helper_store is None:
+            host, port, self._helper_store = start_store(self.topology, self.groups.control)
+            self._helper_address = (host, port)
+        settings = HelperSettings(
+            config=self.config,
+            topology=self.topology,
+            local_shared=self.local_shared,
+            store_host=self._helper_address[0],
+            store_port=self._helper_address[1],
+            generation=self._helper_generation,
+            log_level=helper_log_level(),
+            preload=helper_preload(),
+            environ=dict(os.environ),
+            parent_pid=os.getpid(),
+        )
+        return HelperPipeline(settings, self.events, self._note_committed, self._protected_steps)
+
+    def stop_background(self) -> None:
+        """Stop the background half of saves for good (a survivor save is about to write without it): the helper
+        process is killed, which may be stuck in a collective with a rank that is gone."""
+        if isinstance(self.pipeline, HelperPipeline):
+            self.pipeline.kill()
+
+    def _check_helpers(self) -> None:
+        """A helper died on some rank: every rank restarts its own (a new group), or all raise (collective)."""
+        pipeline = self.pipeline
+        dead = int(isinstance(pipeline, HelperPipeline) and pipeline.died is not None)
+        if not self.groups.control.max([dead])[0]:
+            return
+        assert isinstance(pipeline, HelperPipeline)
+        why = pipeline.died or "the checkpoint helper process of another rank died"
+        if self.config.on_helper_death == "raise":
+            raise CheckpointError(
+                f"{why}: its saves were not committed; stopping (on_helper_death='raise'). Use "
+                "on_helper_death='restart' to go on with new helpers, or persist='thread'"
+            )
+        log.warning("%s: the saves it held are not committed; restarting every rank's helper", why)
+        pipeline.kill()
+        self.pipeline.take_errors()  # the lost saves are reported above, not raised
+        self._helper_generation += 1
+        self.pipeline = self._start_pipeline()
 
     def _startup_checks(self) -> set[int]:
         """Prove both tiers usable (at set-up, not at step N) and learn which steps exist."""
@@ -304,6 +361,7 @@ class CheckpointManager:
         *,
         extra: dict[str, Any] | None = None,
         when_busy: WhenBusy | None = None,
+        abstain: Collection[int] = (),
     ) -> SaveHandle | None:
         """Stage ``state`` and return; the rest happens in the background. Call on every rank.
 
@@ -311,7 +369,8 @@ class CheckpointManager:
         them; DTensor shards by their owners). ``rank_state`` differs per rank (RNG, data loader position)
         and is kept per rank. ``extra`` is JSON stored in the manifest. Returns None when the save was
         skipped because the previous one was still running and ``when_busy="skip"`` (the config's, unless
-        given here: an emergency save always waits).
+        given here: an emergency save always waits). Ranks in ``abstain`` (a GPU that must not be read) write
+        none of the shared state: their replicas do; state they alone held makes the save fail, never commit.
         """
         t0 = time.monotonic()
         self._check_open()
@@ -329,9 +388,20 @@ class CheckpointManager:
                 f"Step {step} is already saved or being saved under {self._where()}; committed checkpoints are "
                 "never overwritten. Save under a new step, or point local_root/durable_url at a new run directory"
             )
+        self._check_helpers()
         busy = self._inflight is not None and not self._inflight.committed.done()
         errors = self.pipeline.take_errors()
-        any_error, any_busy = self.groups.control.max([int(bool(errors)), int(busy)])
+        flat = flatten(state)
+        writers = [r for r in range(self.world_size) if r not in set(abstain)]
+        alone = only_held_by(flat.tensors, set(abstain)) if abstain else []
+        any_error, any_busy, any_alone = self.groups.control.max([int(bool(errors)), int(busy), int(bool(alone))])
+        if any_alone:
+            what = f" (e.g. {alone[0]!r} here)" if alone else ""
+            raise CheckpointError(
+                f"part of the state{what} is held only by rank(s) {sorted(abstain)}, whose GPU must not be read "
+                "(sharded state with no replica): the save stands down, and a resume uses the last commit",
+                step=step,
+            )
         if any_error:
             raise (
                 errors[0]
@@ -358,9 +428,15 @@ class CheckpointManager:
             assert self._inflight is not None
             concurrent.futures.wait([self._inflight.committed])
         self.wait_for_staging()
-        flat = flatten(state)
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
-        shared = share_of_replicated(flat.tensors, self.rank, self.world_size)
+        if not writers:
+            raise CheckpointError("every rank abstains from this save: there is no healthy replica to write it")
+        shared = share_among(flat.tensors, self.rank, writers)
+        if shared and self.device_unreadable:
+            raise CheckpointError(
+                f"rank {self.rank}'s GPU must not be read ({self.device_unreadable}), yet a save asked it for its "
+                "share: pass the sick ranks as abstain"
+            )
         tensors = {**shared, **(rank_flat.tensors if rank_flat else {})}
         staging = self._stager.stage(tensors, asynchronous=self.config.async_staging)
         handle = SaveHandle(step)
@@ -385,6 +461,7 @@ class CheckpointManager:
                 block_s=block_s,
                 run_id=self.run_id,
                 writer=self.owner.to_json() if self.owner is not None else None,
+                pieces={k: _create_write_items(k, t) for k, t in tensors.items() if isinstance(t, DTensor)},
             )
         )
         if flat.pickled and self.stats.saves == 0:
@@ -701,7 +778,7 @@ def _finish_at_exit() -> None:
                 flush=True,
             )
         try:
-            manager.close()
+            manager.close(manager.exit_timeout_s)
         except Exception as exc:
             log.error("a checkpoint failed while the process was exiting: %s", describe(exc))
 

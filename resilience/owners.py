@@ -28,12 +28,17 @@ REMOTE_STALE_S = 3600.0
 _OPEN_TOKENS: set[str] = set()  # owners of this process whose manager is still open
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None if there is no such process."""
+def process_start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux), or None if there is no such live process
+    (a zombie, killed but not yet reaped by its parent, counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    try:
+        return None if fields[0] in ("Z", "X") else int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -52,7 +57,7 @@ class Owner:
     def me(cls, run_id: str | None = None) -> Owner:
         """A new owner for this process; it counts as alive here until :meth:`release`."""
         pid = os.getpid()
-        owner = cls(socket.gethostname(), pid, _start_ticks(pid), run_id, time.time())
+        owner = cls(socket.gethostname(), pid, process_start_ticks(pid), run_id, time.time())
         _OPEN_TOKENS.add(owner.token)
         return owner
 
@@ -71,7 +76,7 @@ class Owner:
             return self.token in _OPEN_TOKENS
         if self.host != socket.gethostname():
             return touched is not None and time.time() - touched < REMOTE_STALE_S
-        ticks = _start_ticks(self.pid)
+        ticks = process_start_ticks(self.pid)
         return ticks is not None and (self.start_ticks is None or ticks == self.start_ticks)
 
     def to_json(self) -> dict[str, object]:

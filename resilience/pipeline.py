@@ -17,12 +17,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilience import __version__
 from resilience.catalog import scan
@@ -54,6 +55,7 @@ class WriteJob:
     block_s: float
     run_id: str | None = None
     writer: dict[str, Any] | None = None
+    pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
 
 
 @dataclass
@@ -63,7 +65,18 @@ class UploadJob:
     handle: SaveHandle
 
 
-class _RecordingWriter(FileSystemWriter):
+class PiecePlanner(DefaultSavePlanner):
+    """DCP's planner, reading a :class:`~resilience.helper.Piece` (a DTensor shard without its mesh) as its
+    local tensor; its write items came with it."""
+
+    def lookup_object(self, index: Any) -> Any:
+        found = self.state_dict.get(index.fqn)
+        if found is not None and hasattr(found, "items") and hasattr(found, "local"):
+            return found.local
+        return super().lookup_object(index)
+
+
+class RecordingWriter(FileSystemWriter):
     """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own."""
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -91,6 +104,7 @@ class Pipeline:
     Args:
         committed: Called with a step once it is committed locally (the manager's record of what exists).
         protected_steps: Steps retention must keep (a framework's names still refer to them).
+        on_error: Where a failure goes (default: kept until :meth:`take_errors`), before its save's future ends.
     """
 
     def __init__(
@@ -105,6 +119,7 @@ class Pipeline:
         events: Events,
         committed: Callable[[int], None],
         protected_steps: Callable[[], set[int]],
+        on_error: Callable[[CheckpointError], None] | None = None,
     ):
         self.config = config
         self.local = local
@@ -120,6 +135,7 @@ class Pipeline:
         self._on_committed = committed
         self._policy = RetryPolicy(config.upload_retries, config.upload_backoff_s)
         self._protected_steps = protected_steps
+        self._on_error = on_error
         self.errors: list[CheckpointError] = []
         self._errors_lock = threading.Lock()
         self._uploading: set[int] = set()
@@ -233,12 +249,13 @@ class Pipeline:
                 job.handle.staged.set_result(None)
             timings["stage_wait_s"] = time.monotonic() - t0
             t0 = time.monotonic()
-            writer = _RecordingWriter(
+            writer = RecordingWriter(
                 local_dir, sync_files=self.config.fsync, thread_count=self.config.write_threads, overwrite=False
             )
             dcp.save(
                 staged,
                 storage_writer=writer,
+                planner=PiecePlanner(),
                 process_group=self.writer_channel.group,
                 no_dist=not self.writer_channel.active,
             )
@@ -393,6 +410,9 @@ class Pipeline:
 
     def _record(self, error: CheckpointError) -> None:
         log.error("%s", error)
+        if self._on_error is not None:
+            self._on_error(error)
+            return
         with self._errors_lock:
             self.errors.append(error)
 

@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+# Set once this process's GPU had a fatal fault: its generators' state is on a device that must not be read.
+DEVICE_UNREADABLE = False
+
 
 def capture_rng() -> dict[str, Any]:
     state: dict[str, Any] = {
@@ -19,7 +22,7 @@ def capture_rng() -> dict[str, Any]:
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and not DEVICE_UNREADABLE:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

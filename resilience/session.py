@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
+from resilience import rng
 from resilience.config import WhenBusy
 from resilience.errors import ConfigError
 from resilience.goodput import (
@@ -44,14 +46,18 @@ from resilience.goodput import (
 )
 from resilience.goodput.ledger import COMPLETED, ledger_dir
 from resilience.goodput.summary import GoodputSummary, summarize
-from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard
+from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard, Kind, Severity
+from resilience.health.faults import GPU_FAULTS
 from resilience.loader import Restored
 from resilience.manager import CheckpointManager
+from resilience.peer_loss import BoundaryBuilder, BoundarySnapshot, PeerLossConfig, PeerLossWatch
 from resilience.rng import restore_rng
 from resilience.save_handle import SaveHandle
 
 log = logging.getLogger(__name__)
 MetricsSink = Callable[[dict[str, float]], None]
+FAILED_DRAIN_S = 30.0  # after a failure, how long the last saves may still take before the session ends
+FAILED_EXIT_WAIT_S = 5.0  # ... and how long the process exit then waits for them
 T = TypeVar("T")
 RngTiming = Literal["now", "start", "next_batch"]
 
@@ -162,11 +168,23 @@ class TrainingSession:
         manager: The checkpoint engine (collective construction already done).
         build_state: Makes the state to save at a step (the adapter's knowledge of its framework).
         is_main: Whether this process writes the goodput ledger and logs (global rank 0).
+        boundary: Snapshots the state at a boundary for survivor saves, where ``build_state`` at every step
+            would cost too much (default: ``build_state``, its tensors kept as live references).
     """
 
-    def __init__(self, manager: CheckpointManager, build_state: StateBuilder, *, is_main: bool | None = None):
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        build_state: StateBuilder,
+        *,
+        is_main: bool | None = None,
+        boundary: BoundaryBuilder | None = None,
+    ):
         self.manager = manager
         self.build_state = build_state
+        self.boundary = boundary or self._boundary_from_state
+        self.peer_loss: PeerLossConfig | None = None
+        self.peer_watch: PeerLossWatch | None = None
         self.rank = manager.rank
         self.is_main = manager.rank == 0 if is_main is None else is_main
         self.sinks: list[MetricsSink] = []
@@ -210,8 +228,52 @@ class TrainingSession:
     def use_health(self, config: HealthConfig, *, nvml: Any = None) -> HealthGuard:
         """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group)."""
         if self.guard is None:
-            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_events.append])
+            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_event])
         return self.guard
+
+    def _health_event(self, event: FaultEvent) -> None:
+        """From the monitor's threads: count it; a hang may be a lost peer, which only a survivor save helps."""
+        self._health_events.append(event)
+        if event.kind is Kind.HANG and self.peer_watch is not None:
+            threading.Thread(target=self._rescue_hang, name="resilience-hang-rescue", daemon=True).start()
+        if event.severity is Severity.FATAL and event.kind in GPU_FAULTS:
+            # this rank's GPU must not be read again: its share of any save comes from a replica
+            self.manager.device_unreadable = event.detail
+            rng.DEVICE_UNREADABLE = True
+
+    def _rescue_hang(self) -> None:
+        """The training thread is stuck (in a collective with a stopped or vanished rank): save from here."""
+        assert self.peer_watch is not None
+        if self.peer_watch.after_failure(None) is not None:
+            self._record_peer_loss()
+            self.peer_watch.exit()
+
+    def on_failure(self, error: BaseException) -> None:
+        """The adapter saw ``error`` leave the training loop. If peers are lost, the survivors save and the process
+        exits with the restart code; otherwise nothing happens and the error goes on as it is."""
+        if self.peer_watch is None or not self.started or self.ended:
+            return
+        if self.peer_watch.after_failure(error) is not None:
+            self._record_peer_loss()
+            self.peer_watch.exit()
+
+    def _record_peer_loss(self) -> None:
+        assert self.peer_watch is not None and self.peer_watch.outcome is not None
+        outcome = self.peer_watch.outcome
+        what = f"rank(s) {outcome.lost} lost"
+        state = "committed" if outcome.committed else f"not committed: {outcome.reason}"
+        if self.ledger is not None:
+            self.ledger.fault(what, outcome.step)
+            self.ledger.emergency(outcome.seconds, f"survivor save of step {outcome.step}")
+            self.ledger.end(f"stopped, exit code {self.peer_watch.config.exit_code}: {what}; survivor save {state}")
+
+    def use_peer_loss(self, config: PeerLossConfig) -> None:
+        """Survivor saves when a rank dies or hangs (effective from :meth:`start`, with a shared local tier)."""
+        self.peer_loss = config
+
+    def _boundary_from_state(self, step: int) -> BoundarySnapshot:
+        built = self.build_state(step)
+        return BoundarySnapshot(step, built.rank_state, lambda: built)
 
     def use_interval(self, config: IntervalConfig) -> None:
         self.interval = config
@@ -270,6 +332,14 @@ class TrainingSession:
         self.manager.claim(resumed_from=step if self.manager.saved(step) is not None else None)
         self.started = True
         self._start_step = step
+        config = self.peer_loss
+        if config is not None and config.enabled and self.manager.world_size > 1:
+            if self.manager.local_shared:
+                self.peer_watch = PeerLossWatch(self.manager, config, self.boundary)
+            elif self.is_main:
+                log.warning(
+                    "survivor saves need a local tier every rank sees (local_shared): they are off for this run"
+                )
         if self.guard is not None:
             self.guard.start()  # signal handlers: the main thread
         if self._pending_rng is not None and self._pending_rng[1] == "start":
@@ -350,6 +420,8 @@ class TrainingSession:
             self._inside_s += time.perf_counter() - now
 
     def _step_end(self, step: int, now: float) -> Boundary:
+        if self.peer_watch is not None:  # first: a collective of this boundary may be what fails
+            self.peer_watch.at_boundary(step)
         if self._last_end_t is not None:
             self._step_times.append(now - self._last_end_t)
         self._account_stall()
@@ -386,7 +458,9 @@ class TrainingSession:
         start = time.perf_counter()
         self._blocking_depth += 1  # the emergency's time is its own bucket, not checkpoint stall
         try:
-            result = self.guard.emergency_save(self.manager, step, save=lambda: self._save_now(step))
+            result = self.guard.emergency_save(
+                self.manager, step, save=lambda: self._save_now(step, abstain=decision.sick_ranks)
+            )
         finally:
             self._blocking_depth -= 1
             self._stall_seen = self.manager.stats.stall_s
@@ -404,7 +478,13 @@ class TrainingSession:
     # ---- saves -----------------------------------------------------------------------------------------------
 
     def save(
-        self, step: int, state: SaveState | None = None, *, reason: str = "requested", when_busy: WhenBusy | None = None
+        self,
+        step: int,
+        state: SaveState | None = None,
+        *,
+        reason: str = "requested",
+        when_busy: WhenBusy | None = None,
+        abstain: tuple[int, ...] = (),
     ) -> SaveHandle | None:
         """Save ``step`` (a second save of a step this run saved already is the first one's handle); collective.
 
@@ -415,14 +495,16 @@ class TrainingSession:
             return existing
         with self.blocking():
             built = state if state is not None else self.build_state(step)
-            handle = self.manager.save(step, built.state, built.rank_state, extra=built.extra, when_busy=when_busy)
+            handle = self.manager.save(
+                step, built.state, built.rank_state, extra=built.extra, when_busy=when_busy, abstain=abstain
+            )
         if handle is not None:
             self._plan_saves += 1
             log.debug("rank %d: %s save of step %d started", self.rank, reason, step)
         return handle
 
-    def _save_now(self, step: int) -> SaveHandle | None:
-        return self.save(step, reason="emergency", when_busy="wait")
+    def _save_now(self, step: int, abstain: tuple[int, ...] = ()) -> SaveHandle | None:
+        return self.save(step, reason="emergency", when_busy="wait", abstain=abstain)
 
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
@@ -574,7 +656,12 @@ class TrainingSession:
         start = time.perf_counter()
         error: BaseException | None = None
         try:
-            if close_manager:
+            if failure is not None and not isinstance(failure, str):
+                # training failed: the last saves get a bounded wait (a peer may be gone), and so does the exit
+                self.manager.exit_timeout_s = FAILED_EXIT_WAIT_S
+                if not self.manager.drain(FAILED_DRAIN_S):
+                    log.warning("the last saves did not finish within %.0f s of the failure", FAILED_DRAIN_S)
+            elif close_manager:
                 self.manager.close()
             else:
                 self.manager.drain()
@@ -600,6 +687,8 @@ class TrainingSession:
         if self.telemetry is not None:
             self.manager.remove_listener(self.telemetry)
             self.telemetry.close()
+        if self.peer_watch is not None:
+            self.peer_watch.close()
         if self.guard is not None and self.stopping is None:
             self.guard.close()
         if error is not None:
@@ -609,7 +698,10 @@ class TrainingSession:
         """After an agreed stop: leave the process with the stop's code, for the launcher to restart it."""
         if self.stopping is None or self.guard is None:
             raise RuntimeError("TrainingSession.exit() without an agreed stop")
-        self.end()
+        try:
+            self.end()
+        except Exception as exc:  # a failed last save is logged (and in the ledger); the stop's code still counts
+            log.error("rank %d: the last saves before the stop failed: %s", self.rank, exc)
         self.guard.stop()
 
 

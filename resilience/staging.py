@@ -7,10 +7,13 @@ several times the copy itself; pinning them (for CUDA sources) lets the copy run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
+import warnings
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.shared_memory import SharedMemory
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -62,7 +65,8 @@ class StagingJob:
     @property
     def nbytes(self) -> int:
         """Bytes staged on this rank (a DTensor's local shard, not its global size)."""
-        local = [t._local_tensor if isinstance(t, DTensor) else t for t in self.staged.values()]
+        # a DTensor's local shard; in the helper, a Piece's
+        local = [t._local_tensor if isinstance(t, DTensor) else getattr(t, "local", t) for t in self.staged.values()]
         return sum(t.numel() * t.element_size() for t in local)
 
     @property
@@ -76,10 +80,12 @@ class HostStager:
 
     Args:
         pin_memory: Page-lock buffers of CUDA sources (default: yes when CUDA is available).
+        shared: Put the buffers in shared memory, so the helper process that writes them reads them in place.
     """
 
-    def __init__(self, pin_memory: bool | None = None):
+    def __init__(self, pin_memory: bool | None = None, *, shared: bool = False):
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -120,9 +126,14 @@ class HostStager:
     def _buffer(self, key: str, source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(
-                source.shape, dtype=source.dtype, device="cpu", pin_memory=self._pin and source.is_cuda
-            )
+            if buffer is not None:
+                _release(buffer)
+            if self._shared:
+                buffer = _shared_buffer(source, pin=self._pin and source.is_cuda)
+            else:
+                buffer = torch.empty(
+                    source.shape, dtype=source.dtype, device="cpu", pin_memory=self._pin and source.is_cuda
+                )
             self._buffers[key] = buffer
         return buffer
 
@@ -147,7 +158,50 @@ class HostStager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for buffer in self._buffers.values():
+            _release(buffer)
         self._buffers.clear()
+
+
+# Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
+# by name. They live as long as their buffers (the stager unlinks them when it drops a buffer).
+SEGMENTS: dict[int, str] = {}
+_SEGMENT_OBJECTS: dict[int, SharedMemory] = {}
+
+
+def _shared_buffer(source: torch.Tensor, *, pin: bool) -> torch.Tensor:
+    """A host buffer in a named shared-memory segment (``/dev/shm``), page-locked for CUDA sources."""
+    nbytes = source.numel() * source.element_size()
+    if nbytes == 0:
+        return torch.empty(source.shape, dtype=source.dtype)
+    try:
+        segment = SharedMemory(create=True, size=nbytes)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot place {nbytes} bytes of checkpoint staging in shared memory ({exc}): enlarge /dev/shm "
+            "(e.g. docker --shm-size) or set persist='thread'"
+        ) from exc
+    # frombuffer warns that the buffer is writable (by design here) and views it without a copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
+    buffer = flat.view(source.dtype).view(source.shape)
+    SEGMENTS[buffer.data_ptr()] = segment.name
+    _SEGMENT_OBJECTS[buffer.data_ptr()] = segment
+    if pin and buffer.numel():
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)) != 0:
+            raise RuntimeError("cudaHostRegister refused to page-lock a staging buffer: set pin_memory=False")
+    return buffer
+
+
+def _release(buffer: torch.Tensor) -> None:
+    """Unlink a buffer's shared-memory segment, if it has one (mappings elsewhere stay valid until unmapped)."""
+    segment = _SEGMENT_OBJECTS.pop(buffer.data_ptr(), None)
+    SEGMENTS.pop(buffer.data_ptr(), None)
+    if segment is not None:
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -135,8 +135,8 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = gated_writer(monkeypatch)
-    with manager(tmp_path, when_busy="skip") as m:
+    gate = gated_writer(monkeypatch)  # in this process: the persist path runs as threads here
+    with manager(tmp_path, when_busy="skip", persist="thread") as m:
         assert m.save(1, make_state(1)) is not None
         assert m.save(2, make_state(2)) is None
         gate.set()
@@ -148,7 +148,7 @@ def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.M
 
 def test_busy_wait_policy_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = gated_writer(monkeypatch)
-    with manager(tmp_path, when_busy="wait") as m:
+    with manager(tmp_path, when_busy="wait", persist="thread") as m:
         first = m.save(1, make_state(1))
         threading.Timer(0.3, gate.set).start()
         second = m.save(2, make_state(2))
@@ -156,16 +156,20 @@ def test_busy_wait_policy_waits_for_the_previous_commit(tmp_path: Path, monkeypa
         assert second is not None and m.stats.waited_for_previous == 1
 
 
+@pytest.mark.parametrize("persist", ["process", "thread"])
 def test_background_failure_surfaces_with_context_and_leaves_no_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: str
 ) -> None:
-    from resilience import pipeline
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.helper_faults")  # where the write runs
+    monkeypatch.setenv("TEST_HELPER_FAULT", "fail_write")
+    if persist == "thread":
+        from resilience import pipeline
 
-    def disk_full(self: object, plan: object, planner: object) -> object:
-        raise OSError(28, "No space left on device")
+        def disk_full(self: object, plan: object, planner: object) -> object:
+            raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(pipeline._RecordingWriter, "write_data", disk_full)
-    m = manager(tmp_path)
+        monkeypatch.setattr(pipeline.RecordingWriter, "write_data", disk_full)
+    m = manager(tmp_path, persist=persist)
     m.save(4, make_state(4))
     with pytest.raises(CheckpointError, match=r"No space left on device.*step=4, tier=local"):
         m.wait()
@@ -173,24 +177,30 @@ def test_background_failure_surfaces_with_context_and_leaves_no_commit(
     assert not (tmp_path / "step-4" / "manifest.json").exists()
 
 
-def test_kill_before_commit_leaves_nothing_discovery_accepts(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persist", ["process", "thread"])
+def test_kill_before_commit_leaves_nothing_discovery_accepts(tmp_path: Path, persist: str) -> None:
+    """kill -9 of the training process while its shards are written and the manifest is not (in the helper
+    process, or in a thread), then a restart: the partial step is never loaded, and its name is free again."""
     with manager(tmp_path) as m:
         m.save(1, make_state(1))
     script = f"""
-import os, sys, time, signal
+import time
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.storage import LocalTier
 from tests.test_engine_local import make_state
-def stall(self, path, data, fsync=True):
-    open({str(tmp_path / "ready")!r}, "w").close()
-    time.sleep(600)
-LocalTier.write_exclusive = stall
-m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, keep_last=2))
+import tests.workers.helper_faults  # the same stall in this process (the thread case)
+m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, keep_last=2, persist={persist!r}))
 m.load()
 m.save(2, make_state(2))
 time.sleep(600)
 """
-    proc = subprocess.Popen([sys.executable, "-c", script], env=base_env())
+    env = base_env(
+        {
+            "RESILIENCE_HELPER_PRELOAD": "tests.workers.helper_faults",
+            "TEST_HELPER_FAULT": "stall_manifest",
+            "TEST_READY_FILE": str(tmp_path / "ready"),
+        }
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env)
     deadline = time.monotonic() + 60
     while not (tmp_path / "ready").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "writer never reached the commit"
@@ -298,3 +308,48 @@ def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, 
     assert restored is not None
     for key, value in saved.items():
         assert torch.equal(restored.state["model"][key], value)
+
+
+def wait_for(condition: object, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_a_helper_killed_mid_save_commits_nothing_and_the_next_save_restarts_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper process dies between the shard writes and the manifest: that save fails with the cause (never
+    committed, never loaded), training goes on, and the next save gets a new helper."""
+    import signal
+
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.helper_faults")
+    monkeypatch.setenv("TEST_HELPER_FAULT", "stall_manifest")
+    monkeypatch.setenv("TEST_READY_FILE", str(tmp_path / "ready"))
+    with manager(tmp_path / "ckpt") as m:
+        handle = m.save(1, make_state(1))
+        assert handle is not None
+        wait_for((tmp_path / "ready").exists)
+        os.kill(m.pipeline.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError, match=r"helper process \(pid \d+\) died"):
+            handle.committed.result(60)
+        assert not (tmp_path / "ckpt" / "step-1" / "manifest.json").exists()
+        monkeypatch.delenv("TEST_HELPER_FAULT")  # the new helper writes normally
+        second = m.save(2, make_state(2))
+        assert second is not None and second.committed.result(60).step == 2
+    with manager(tmp_path / "ckpt") as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 2
+
+
+def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None:
+    import signal
+
+    with manager(tmp_path, on_helper_death="raise") as m:
+        m.save(1, make_state(1))
+        m.wait()
+        os.kill(m.pipeline.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        wait_for(lambda: m.pipeline.died is not None)  # type: ignore[union-attr]
+        with pytest.raises(CheckpointError, match=r"died.*on_helper_death='raise'"):
+            m.save(2, make_state(2))

@@ -205,13 +205,16 @@ def test_redact_masks_credentials() -> None:
     assert "AKIA" not in repr(DurableTier("memory://b/x", {"key": "AKIA"}))
 
 
-def test_replicated_tensors_are_dealt_out_and_dtensor_shards_stay() -> None:
-    from resilience.dist import share_of_replicated
+def test_replicated_tensors_are_dealt_out_among_the_ranks_that_write() -> None:
+    from resilience.survivors import share_among
 
     sizes = [100, 60, 50, 40, 10]
     tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
-    shares = [share_of_replicated(tensors, rank, 2) for rank in range(2)]
+    shares = [share_among(tensors, rank, [0, 1]) for rank in range(2)]
     assert sorted([*shares[0], *shares[1]]) == sorted(tensors), "every tensor is written by exactly one rank"
     assert not set(shares[0]) & set(shares[1])
     assert [sum(t.numel() for t in share.values()) for share in shares] == [140, 120]  # greedy: 100+40 / 60+50+10
-    assert share_of_replicated(tensors, 0, 1) == tensors
+    assert share_among(tensors, 0, [0]) == tensors
+    # rank 1 abstains (a sick GPU) or is lost: ranks 0 and 2 write everything between them
+    thirds = [share_among(tensors, rank, [0, 2]) for rank in range(3)]
+    assert thirds[1] == {} and sorted([*thirds[0], *thirds[2]]) == sorted(tensors)

@@ -63,6 +63,10 @@ class Kind(str, Enum):
     HANG = "hang"
 
 
+# Faults that, when fatal, mean this rank's GPU must not be read again (its memory may be gone or wrong).
+GPU_FAULTS = frozenset({Kind.XID, Kind.ECC_DOUBLE_BIT, Kind.GPU_LOST, Kind.REMAPPED_ROWS_FAILURE, Kind.RECOVERY_ACTION})
+
+
 class Rule(NamedTuple):
     severity: Severity
     reason: str

@@ -42,7 +42,7 @@ from resilience.dist import Channel, is_distributed
 from resilience.errors import ConfigError
 from resilience.health.config import HealthConfig
 from resilience.health.events import EventLog, Listener
-from resilience.health.faults import FaultEvent, Severity
+from resilience.health.faults import GPU_FAULTS, FaultEvent, Severity
 from resilience.health.injection import FaultInjector, Injection, parse_injections
 from resilience.health.nvml import HealthMonitor, default_devices, load_nvml
 from resilience.health.signals import SignalWatcher
@@ -80,6 +80,8 @@ class Decision:
         fault_time: Wall-clock time of this rank's fault, or of the decision when another rank had it; the
             emergency save's grace period runs from here.
         events: This rank's events behind the decision.
+        sick_ranks: Ranks whose GPU had a fatal fault: they must not be read, so their share of the emergency
+            save is written by a healthy replica.
     """
 
     action: Action
@@ -91,6 +93,7 @@ class Decision:
     exit_code: int | None = None
     fault_time: float | None = None
     events: tuple[FaultEvent, ...] = ()
+    sick_ranks: tuple[int, ...] = ()
 
     @property
     def stop(self) -> bool:
@@ -355,7 +358,11 @@ class HealthGuard:
             self.config.exit_code_preempted if severity is Severity.PREEMPTION else self.config.exit_code_gpu_fault
         )
         fault_time = min((e.time for e in mine), default=time.time())
-        decision = Decision(Action.SAVE_AND_STOP, step, severity, reason, source, True, exit_code, fault_time, mine)
+        sick_here = any(e.severity is Severity.FATAL and e.kind in GPU_FAULTS for e in unhandled)
+        sick = tuple(r for r, flag in enumerate(self._channel.all_gather(sick_here)) if flag)
+        decision = Decision(
+            Action.SAVE_AND_STOP, step, severity, reason, source, True, exit_code, fault_time, mine, sick
+        )
         if self.stopping is None:
             self.stopping = decision
             log.error("rank %d: all ranks save step %d and stop (exit code %d): %s", self.rank, step, exit_code, reason)

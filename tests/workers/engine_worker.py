@@ -107,7 +107,7 @@ def main() -> None:
             original(self, job)
 
         Pipeline._write = slow_write  # type: ignore[method-assign]
-        with CheckpointManager(config(args, when_busy="skip")) as manager:
+        with CheckpointManager(config(args, when_busy="skip", persist="thread")) as manager:
             first = manager.save(1, state_for(1, mesh))
             second = manager.save(2, state_for(2, mesh))
             gate.set()
@@ -118,17 +118,11 @@ def main() -> None:
         print("BUSY", manager.stats.skipped)
 
     elif scenario == "fail":
-        # Rank 1 cannot write its shard: no rank may commit, and every rank must raise with context.
-        from resilience import pipeline as pipeline_module
-
-        original_write_data = pipeline_module._RecordingWriter.write_data
-
-        def failing(self: object, plan: object, planner: object) -> object:
-            if rank == 1:
-                raise OSError(28, "No space left on device")
-            return original_write_data(self, plan, planner)  # type: ignore[arg-type]
-
-        pipeline_module._RecordingWriter.write_data = failing  # type: ignore[method-assign]
+        # Rank 1 cannot write its shard (in its helper process, where the write runs): no rank may commit, and
+        # every rank must raise with context.
+        os.environ.update(
+            RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="fail_write", TEST_FAIL_RANK="1"
+        )
         manager = CheckpointManager(config(args))
         manager.save(1, state_for(1, mesh))
         try:

@@ -2,6 +2,8 @@
 
 Launched as a script (Lightning starts the other DDP rank by re-running it). ``--kill-at K`` makes the run
 SIGKILL itself after step K once the checkpoints saved so far are committed; relaunching resumes.
+``TEST_SLOW_WRITE_S`` slows every background write (in the checkpoint helper process), so a signal can land
+mid-save.
 """
 
 from __future__ import annotations
@@ -43,24 +45,9 @@ class Sleep(pl.Callback):
         time.sleep(self.seconds)
 
 
-def slow_down_writes(seconds: float) -> None:
-    """Test hook: each background write first leaves a marker and waits, so a signal can land mid-save."""
-    from resilience.pipeline import Pipeline
-
-    original = Pipeline._write
-
-    def slow(self: Pipeline, job: object) -> None:
-        marker = os.path.join(self.local.root, f"writing-{job.step}")  # type: ignore[attr-defined]
-        open(marker, "w").close()
-        time.sleep(seconds)
-        original(self, job)  # type: ignore[arg-type]
-
-    Pipeline._write = slow  # type: ignore[method-assign]
-
-
 def main() -> None:
-    if os.environ.get("TEST_SLOW_WRITE_S"):
-        slow_down_writes(float(os.environ["TEST_SLOW_WRITE_S"]))
+    if os.environ.get("TEST_SLOW_WRITE_S"):  # each background write first leaves a marker and waits
+        os.environ.update(RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="slow_write")
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--durable")

@@ -1,0 +1,524 @@
+"""The persist path in a helper process: DCP write, checksums, commit, upload and retention off the training
+process.
+
+The training process only copies the state into shared-memory buffers; one long-lived helper process per rank
+reads them in place and runs the same pipeline (:class:`~resilience.pipeline.Pipeline`) that would otherwise
+run as threads of the training process. Serialisation, hashing and file I/O in Python compete with the
+training thread for the interpreter lock and stall it (on GPU nodes that thread launches the kernels): in a
+process of their own they only compete for a core. The helpers of all ranks form a gloo group of their own,
+through a TCP store that rank 0's training process hosts, so the commit protocol is unchanged: every rank's
+helper writes its files, the helpers agree, the local leader's helper writes the manifest.
+
+Modules named in ``RESILIENCE_HELPER_PRELOAD`` (comma-separated) are imported by every helper as it starts: the
+way to instrument the persist path (a tracer, a profiler, a fault drill), which no longer runs in the training
+process. They find the training process's pid in ``RESILIENCE_HELPER_PARENT_PID``.
+
+Helpers are forked by a small server process of ours that has imported torch and the engine once, so a helper
+starts in milliseconds, not the seconds an interpreter with torch takes. (multiprocessing's own forkserver would
+import the user's training script again in every helper, running any of its top-level code a second time.) The
+staging buffers are named shared-memory segments the helper maps by name. A helper that dies fails the saves it
+held (nothing half-written is ever committed: the manifest comes last, after every helper agreed); the next save
+says so, and restarts every rank's helper or stops training, as configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from resilience.config import CheckpointConfig
+from resilience.dist import Topology
+from resilience.errors import CheckpointError, describe
+from resilience.events import Events
+from resilience.save_handle import Commit, SaveHandle
+from resilience.staging import SEGMENTS, StagingJob
+from resilience.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HelperSettings:
+    """What a helper needs to run its part of the pipeline; sent once, at start."""
+
+    config: CheckpointConfig
+    topology: Topology
+    local_shared: bool
+    store_host: str
+    store_port: int
+    generation: int
+    log_level: int
+    preload: tuple[str, ...] = ()
+    environ: dict[str, str] = field(default_factory=dict)  # the training process's, as of this helper's start
+    parent_pid: int = 0
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A DTensor's local shard where there is no device mesh (the helper): its DCP write items were made by the
+    training process from the real DTensor, so the global layout is kept and loads reshard as usual."""
+
+    local: torch.Tensor
+    items: list[Any]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[Any]:
+        return self.items
+
+
+@dataclass
+class WriteSpec:
+    """One save, as the helper gets it: which buffers hold this rank's share, and everything but tensors."""
+
+    step: int
+    keys: list[str]
+    pieces: dict[str, list[Any]]
+    skeleton: Any
+    rank_skeleton: Any
+    pickled: list[str]
+    extra: dict[str, Any]
+    block_s: float
+    run_id: str | None
+    writer: dict[str, Any] | None
+    protected: list[int] = field(default_factory=list)
+
+
+class ForkServer:
+    """One per training process: a child interpreter with the engine imported, forking a helper per request.
+
+    It listens on a Unix socket in a private temporary folder; each accepted connection becomes the
+    connection between the training process and the helper forked for it. It exits with the training process
+    (it watches a pipe only the training process holds open).
+    """
+
+    _instance: ForkServer | None = None
+    _guard = threading.Lock()
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="resilience-helpers-")
+        self.address = os.path.join(self.folder, "socket")
+        self.authkey = os.urandom(16)
+        read, self._keepalive = os.pipe()
+        env = {**os.environ, "RESILIENCE_HELPER_AUTHKEY": self.authkey.hex()}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "resilience.helper", self.address, str(read)],
+            pass_fds=(read,),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        os.close(read)
+
+    @classmethod
+    def get(cls) -> ForkServer:
+        with cls._guard:
+            if cls._instance is None or cls._instance.process.poll() is not None:
+                cls._instance = cls()
+            return cls._instance
+
+    def connect(self, timeout_s: float = 120.0) -> Connection:
+        """A connection to a newly forked helper (waits for the server to be up, the first time)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return Client(self.address, family="AF_UNIX", authkey=self.authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.process.poll() is not None:
+                    raise CheckpointError(
+                        f"the checkpoint helper server exited with code {self.process.returncode} before it "
+                        "started; see its output above, or set persist='thread'"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"the checkpoint helper server did not start within {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.02)
+
+
+class HelperPipeline:
+    """The training process's side: the same interface as :class:`~resilience.pipeline.Pipeline`.
+
+    Args:
+        settings: For the helper (config, topology, the helpers' store).
+        events: The manager's events; the helper's are passed on to them.
+        committed: Called with a step once committed locally.
+        protected_steps: Steps retention must keep, sent with every save.
+    """
+
+    def __init__(
+        self,
+        settings: HelperSettings,
+        events: Events,
+        committed: Any,
+        protected_steps: Any,
+    ):
+        self.settings = settings
+        self.events = events
+        self._on_committed = committed
+        self._protected_steps = protected_steps
+        self.errors: list[CheckpointError] = []
+        self.died: str | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._handles: dict[int, SaveHandle] = {}
+        self._sent_buffers: dict[str, int] = {}
+        self._closed = threading.Event()
+        self._conn: Connection = ForkServer.get().connect()
+        self._conn.send(settings)
+        kind, self.pid = self._conn.recv()
+        assert kind == "ready"
+        self._sender = Worker("resilience-helper-send", self._send_next)
+        self._reader = threading.Thread(target=self._read, name="resilience-helper-read", daemon=True)
+        self._reader.start()
+
+    # ---- the Pipeline interface ------------------------------------------------------------------------------
+
+    def submit(self, job: Any) -> None:
+        with self._lock:
+            self._handles[job.step] = job.handle
+            died = self.died
+        if died is not None:
+            self._fail(job.handle, CheckpointError(f"Not saved: {died}", step=job.step, tier="local"))
+            return
+        self._sender.put(job)
+
+    def retain(self) -> None:
+        self._send(("retain", sorted(self._protected_steps())))
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Let the helper finish what it was given, then end it; False if it did not within ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._sender.join(timeout):
+            return False
+        if self.died is None:
+            with contextlib.suppress(OSError):
+                self._send(("close",))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._reader.join(left)
+        return not self._reader.is_alive()
+
+    def kill(self) -> None:
+        """End the helper now (its saves fail); for a restart after a helper of another rank died."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        self._reader.join(10.0)
+
+    def discard_error(self, error: BaseException) -> None:
+        with self._lock:
+            self.errors = [e for e in self.errors if e is not error]
+
+    def take_errors(self) -> list[CheckpointError]:
+        with self._lock:
+            errors, self.errors = self.errors, []
+        return errors
+
+    # ---- sending -----------------------------------------------------------------------------------------------
+
+    def _send_next(self, queue: list[Any]) -> None:
+        with self._sender.cond:
+            job = queue.pop(0)
+        try:
+            staged = job.staging.wait()  # the copy into shared memory is done: the helper may read it
+        except BaseException as exc:
+            self._fail(job.handle, CheckpointError(f"Staging failed: {describe(exc)}", step=job.step))
+            return
+        if not job.handle.staged.done():
+            job.handle.staged.set_result(None)
+        fresh = {k: t for k, t in staged.items() if self._sent_buffers.get(k) != _identity(t)}
+        spec = WriteSpec(
+            step=job.step,
+            keys=list(staged),
+            pieces=job.pieces,
+            skeleton=job.skeleton,
+            rank_skeleton=job.rank_skeleton,
+            pickled=job.pickled,
+            extra=job.extra,
+            block_s=job.block_s,
+            run_id=job.run_id,
+            writer=job.writer,
+            protected=sorted(self._protected_steps()),
+        )
+        try:
+            if fresh:
+                self._send(("buffers", {k: _segment_of(_local(t)) for k, t in fresh.items()}))
+                self._sent_buffers.update((k, _identity(t)) for k, t in fresh.items())
+            self._send(("write", spec))
+        except OSError:
+            pass  # the reader sees the helper gone and fails the save
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    # ---- receiving ---------------------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "event":
+                self.events.emit(message[1]["event"], message[1]["step"], **_fields(message[1]))
+            elif kind == "known":
+                self._on_committed(message[1])
+            elif kind == "error":
+                with self._lock:
+                    self.errors.append(_unpickled(message[1]))
+            elif kind in ("committed", "durable"):
+                self._resolve(kind, message[1], message[2], message[3])
+            elif kind == "closed":
+                self._closed.set()
+        if not self._closed.is_set():
+            self._helper_died(f"the checkpoint helper process (pid {self.pid}) died")
+
+    def _resolve(self, kind: str, step: int, result: Any, timings: dict[str, float] | None) -> None:
+        with self._lock:
+            handle = self._handles.get(step)
+        if handle is None:
+            return
+        future = handle.committed if kind == "committed" else handle.durable
+        if timings:
+            handle.timings.update(timings)
+        if future.done():
+            return
+        if isinstance(result, bytes):
+            error = _unpickled(result)
+            with self._lock:  # the same object as the one recorded, so raising it once also clears it
+                error = next((e for e in self.errors if str(e) == str(error)), error)
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _helper_died(self, why: str) -> None:
+        log.error("%s; its unfinished saves are not committed", why)
+        with self._lock:
+            self.died = why
+            handles = list(self._handles.values())
+        for handle in handles:
+            self._fail(handle, CheckpointError(f"Not saved: {why}", step=handle.step))
+
+    def _fail(self, handle: SaveHandle, error: CheckpointError) -> None:
+        if not (handle.committed.done() and handle.durable.done()):
+            with self._lock:
+                self.errors.append(error)
+            handle.fail(error)
+
+
+def _identity(tensor: Any) -> int:
+    return _local(tensor).data_ptr()
+
+
+def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:
+    """How the helper finds a staging buffer: its shared-memory segment's name (None: empty), dtype and shape."""
+    name = SEGMENTS.get(tensor.data_ptr()) if tensor.numel() else None
+    return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor)
+
+
+def _fields(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("event", "step", "rank", "time")}
+
+
+def _pickled(exc: BaseException) -> bytes:
+    try:
+        return pickle.dumps(exc)
+    except Exception:
+        return pickle.dumps(CheckpointError(describe(exc)))
+
+
+def _unpickled(data: bytes) -> CheckpointError:
+    exc = pickle.loads(data)
+    return exc if isinstance(exc, CheckpointError) else CheckpointError(describe(exc))
+
+
+# ---- the helper process ------------------------------------------------------------------------------------------
+
+
+def _serve(address: str, keepalive_fd: int) -> None:
+    """The fork server: fork a helper for every connection, until the training process goes away."""
+    import selectors
+
+    listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
+    selector = selectors.DefaultSelector()
+    selector.register(listener._listener._socket, selectors.EVENT_READ, "accept")  # type: ignore[attr-defined]
+    selector.register(keepalive_fd, selectors.EVENT_READ, "parent")
+    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":  # EOF: the training process is gone; its helpers see it themselves
+                listener.close()
+                return
+            conn = listener.accept()
+            if os.fork() == 0:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                listener.close()
+                os.close(keepalive_fd)
+                try:
+                    _helper_main(conn, conn.recv())
+                finally:
+                    os._exit(0)
+            conn.close()  # the child holds it now: its death is an EOF the training process sees
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _helper_main(conn: Connection, settings: HelperSettings) -> None:
+    """Run this rank's part of the pipeline on what the training process sends, until told to close."""
+    from resilience.dist import Groups
+    from resilience.pipeline import Pipeline, WriteJob
+    from resilience.storage import DurableTier, LocalTier
+
+    os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
+    os.environ.update(settings.environ, RESILIENCE_HELPER_PARENT_PID=str(settings.parent_pid))
+    logging.basicConfig(level=settings.log_level, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    for module in settings.preload:  # instrumentation of the helper: tracing, profiling, fault drills
+        importlib.import_module(module)
+    config, topology = settings.config, settings.topology
+    send_lock = threading.Lock()
+
+    def send(message: tuple[Any, ...]) -> None:
+        with send_lock:
+            conn.send(message)
+
+    send(("ready", os.getpid()))
+    if topology.world_size > 1:
+        timeout = timedelta(seconds=config.collective_timeout_s)
+        store = dist.TCPStore(settings.store_host, settings.store_port, is_master=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"resilience-helpers/{settings.generation}", store)
+        dist.init_process_group(
+            "gloo", store=prefixed, rank=topology.rank, world_size=topology.world_size, timeout=timeout
+        )
+    groups = Groups(config.collective_timeout_s)
+    protected: set[int] = set()
+    events = Events(topology.rank, [lambda record: send(("event", record))])
+    pipeline = Pipeline(
+        config,
+        LocalTier(config.local_root),
+        DurableTier(config.durable_url, config.storage_options) if config.durable_url else None,
+        topology,
+        groups.writer,
+        groups.upload,
+        settings.local_shared,
+        events,
+        lambda step: send(("known", step)),
+        lambda: set(protected),
+        on_error=lambda error: send(("error", _pickled(error))),
+    )
+    buffers: dict[str, torch.Tensor] = {}
+    mapped: dict[str, SharedMemory] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return  # the training process is gone: nothing more will come
+        kind = message[0]
+        if kind == "buffers":
+            for key, (name, dtype, shape) in message[1].items():
+                buffers[key] = _attach(name, getattr(torch, dtype), shape, mapped)
+        elif kind == "write":
+            spec: WriteSpec = message[1]
+            protected = set(spec.protected)
+            handle = SaveHandle(spec.step)
+            handle.committed.add_done_callback(_forward("committed", spec.step, handle, send))
+            handle.durable.add_done_callback(_forward("durable", spec.step, handle, send))
+            staged = {k: Piece(buffers[k], spec.pieces[k]) if k in spec.pieces else buffers[k] for k in spec.keys}
+            pipeline.submit(
+                WriteJob(
+                    step=spec.step,
+                    staging=StagingJob(staged),  # type: ignore[arg-type]
+                    skeleton=spec.skeleton,
+                    rank_skeleton=spec.rank_skeleton,
+                    pickled=spec.pickled,
+                    extra=spec.extra,
+                    handle=handle,
+                    block_s=spec.block_s,
+                    run_id=spec.run_id,
+                    writer=spec.writer,
+                )
+            )
+        elif kind == "retain":
+            protected = set(message[1])
+            pipeline.close()
+            pipeline.retain()
+        elif kind == "close":
+            pipeline.close()
+            send(("closed",))
+            return
+
+
+def _attach(
+    name: str | None, dtype: torch.dtype, shape: tuple[int, ...], mapped: dict[str, SharedMemory]
+) -> torch.Tensor:
+    """The training process's staging buffer, mapped here (read in place: nothing is copied)."""
+    if name is None:
+        return torch.empty(shape, dtype=dtype)
+    segment = mapped.get(name)
+    if segment is None:
+        segment = mapped[name] = SharedMemory(name=name)
+        # the training process owns it: without this, this process's exit would unlink it (Python < 3.13)
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": it is, and shared on purpose
+        return torch.frombuffer(segment.buf, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+def _forward(kind: str, step: int, handle: SaveHandle, send: Any) -> Any:
+    def done(future: Any) -> None:
+        error = future.exception()
+        result: Commit | bytes | None = _pickled(error) if error is not None else future.result()
+        send((kind, step, result, dict(handle.timings)))
+
+    return done
+
+
+def helper_log_level() -> int:
+    return logging.getLogger("resilience").getEffectiveLevel()
+
+
+def helper_preload() -> tuple[str, ...]:
+    return tuple(m.strip() for m in os.environ.get("RESILIENCE_HELPER_PRELOAD", "").split(",") if m.strip())
+
+
+def start_store(topology: Topology, control: Any) -> tuple[str, int, Any]:
+    """Rank 0's training process hosts the helpers' TCP store; every rank learns where (collective)."""
+    store = None
+    address: tuple[str, int] = ("", 0)
+    if topology.world_size > 1 and topology.rank == 0:
+        host = os.environ.get("MASTER_ADDR") or topology.host
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        address = (host, store.port)
+    host, port = control.broadcast(address)
+    return host, port, store
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,134 @@
+"""The fault model on real gloo jobs (tests/workers/survivor_worker.py): a rank killed with kill -9 or stopped
+with SIGSTOP mid-step, a rank whose GPU has a fatal fault, and state that only the sick rank held.
+
+In each case the healthy ranks commit the last completed step (or stand down when they cannot), every
+process exits within the grace with a code a launcher restarts on (never a hang until a collective timeout),
+and a relaunch on the full world size resumes bit-exact with an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience.loader import MetadataUnpickler
+from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_ranks
+
+WORKER = WORKERS / "survivor_worker.py"
+WORLD = 3
+EXIT_PEER_LOST, EXIT_GPU_FAULT = 75, 69
+
+
+def manifest(root: Path, step: int) -> dict[str, object]:
+    return json.loads((root / f"step-{step}" / "manifest.json").read_text())
+
+
+def committed(root: Path) -> list[int]:
+    return sorted(int(p.parent.name.split("-")[1]) for p in root.glob("step-*/manifest.json"))
+
+
+def final(root: Path) -> torch.Tensor:
+    return torch.load(root / "final.pt", weights_only=True)["w"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.Tensor, dict[int, int]]:
+    """An uninterrupted 3-rank run: its final weights, and each rank's own final state."""
+    root = tmp_path_factory.mktemp("reference")
+    results = check_ranks(run_ranks(WORKER, ["train", str(root)], WORLD, timeout=240))
+    marks = {}
+    for result in results:
+        done = json.loads(result.output.split("DONE ", 1)[1].splitlines()[0])
+        marks[done["rank"]] = done["mark"]
+    return final(root), marks
+
+
+def resume_and_compare(root: Path, reference: tuple[torch.Tensor, dict[int, int]], step: int) -> None:
+    results = check_ranks(run_ranks(WORKER, ["resume", str(root)], WORLD, timeout=240))
+    for result in results:
+        resumed = json.loads(result.output.split("RESUMED ", 1)[1].splitlines()[0])
+        assert resumed["step"] == step
+        done = json.loads(result.output.split("DONE ", 1)[1].splitlines()[0])
+        assert done["mark"] == reference[1][done["rank"]], f"rank {done['rank']}'s own state was not restored"
+    assert torch.equal(final(root), reference[0]), "the resumed run differs from the uninterrupted one"
+
+
+def wait_for_exits(procs: list[subprocess.Popen[str]], ranks: list[int], timeout: float) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    while any(procs[r].poll() is None for r in ranks):
+        if time.monotonic() > deadline:
+            for proc in procs:
+                kill_tree(proc)
+            raise AssertionError(f"ranks {ranks} did not exit within {timeout}s: a hang")
+        time.sleep(0.1)
+    return {r: int(procs[r].returncode) for r in ranks}
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank-1", "rank-0"])
+def test_a_rank_killed_mid_step_loses_nothing_the_survivors_hold(
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]], victim: int
+) -> None:
+    """kill -9 of one rank inside step 7's gradient all-reduce: the other two commit step 6 (the interval save
+    was step 4) and exit 75; the relaunch on 3 ranks is bit-exact, the lost rank's own state included."""
+    results = run_ranks(WORKER, ["kill", str(tmp_path)], WORLD, timeout=180, env={"TEST_VICTIM": str(victim)})
+    codes = {r.rank: r.returncode for r in results}
+    survivors = [r for r in range(WORLD) if r != victim]
+    assert codes[victim] == -signal.SIGKILL and all(codes[r] == EXIT_PEER_LOST for r in survivors), results
+    assert committed(tmp_path) == [4, 6]
+    body = manifest(tmp_path, 6)
+    assert body["extra"]["survivor_save"] == {"saved_by": survivors, "lost": [victim]}  # type: ignore[index]
+    assert body["world_size"] == WORLD
+    assert {f["path"] for f in body["files"]} >= {"rank-0.json", "rank-1.json", "rank-2.json"}  # type: ignore[index]
+    resume_and_compare(tmp_path, reference, 6)
+
+
+def test_a_stopped_rank_is_saved_around_from_the_watchdog(
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]
+) -> None:
+    """SIGSTOP of rank 1 in step 7: the others wait in the all-reduce, which gloo cannot interrupt; their hang
+    watchdog finds rank 1's heartbeat stale, commits step 6 from the waiting ranks' thread, and exits 75."""
+    procs = start_ranks(WORKER, ["stop", str(tmp_path)], WORLD, env={"TEST_VICTIM": "1"}, output_dir=tmp_path)
+    try:
+        codes = wait_for_exits(procs, [0, 2], timeout=120)
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    outputs = "\n".join((tmp_path / f"rank-{r}.out").read_text()[-3000:] for r in range(WORLD))
+    assert codes == {0: EXIT_PEER_LOST, 2: EXIT_PEER_LOST}, outputs
+    assert 6 in committed(tmp_path), outputs
+    assert manifest(tmp_path, 6)["extra"]["survivor_save"]["lost"] == [1]  # type: ignore[index]
+    resume_and_compare(tmp_path, reference, 6)
+
+
+def test_a_sick_gpu_is_never_read_and_its_replicas_write_its_share(
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]
+) -> None:
+    """An injected XID 79 on rank 1 at step 6: rank 1's device becomes unreadable (staging from it raises), every
+    rank saves step 6 with rank 1 abstaining, and all exit 69; the checkpoint is complete and resumes exactly."""
+    env = {"TEST_VICTIM": "1", "RESILIENCE_INJECT": "xid=79@step=6,rank=1"}
+    results = run_ranks(WORKER, ["sick", str(tmp_path)], WORLD, timeout=180, env=env)
+    assert all(r.returncode == EXIT_GPU_FAULT for r in results), results
+    assert 6 in committed(tmp_path)
+    # every tensor of the shared state sits in a file ranks 0 or 2 wrote; rank 1 wrote only its own host state
+    metadata = MetadataUnpickler(io.BytesIO((tmp_path / "step-6" / ".metadata").read_bytes())).load()
+    files_by_key = {index.fqn: info.relative_path for index, info in metadata.storage_data.items()}
+    shared = {key: path for key, path in files_by_key.items() if not key.startswith("__rank")}
+    assert shared and not any(path.startswith("__1_") for path in shared.values()), shared
+    resume_and_compare(tmp_path, reference, 6)
+
+
+def test_state_only_the_sick_rank_holds_makes_the_save_stand_down(tmp_path: Path) -> None:
+    results = run_ranks(
+        WORKER, ["sharded", str(tmp_path)], 2, timeout=180, env={"RESILIENCE_INJECT": "xid=79@step=6,rank=1"}
+    )
+    assert all(r.returncode == EXIT_GPU_FAULT for r in results), results
+    assert committed(tmp_path) == [4], "nothing but the last regular save"
+    assert all("stands down" in r.output for r in results)
+    assert "'shard'" in results[1].output  # the sick rank names what only it holds
