@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -96,7 +97,19 @@ class PeerLossWatch:
         self._stepped = False
         self._rescuing = threading.Lock()
         self._hook = register_optimizer_step_post_hook(self._optimizer_stepped)
+        self._sigterm_before: Any = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            # An elastic agent SIGTERMs the other workers as soon as one dies: that must not end a survivor
+            # before its save (the agent's SIGKILL comes only after its grace period).
+            self._sigterm_before = signal.signal(signal.SIGTERM, self._sigterm)
         self.liveness.start()
+
+    def _sigterm(self, signum: int, frame: Any) -> None:
+        if self.liveness.lost(self.config.stale_s):
+            log.warning("rank %d: SIGTERM while a peer is lost: the survivor save goes first", self.manager.rank)
+            return  # the collective with the lost rank fails, and after_failure saves and exits
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)  # anything else: the default, as if we were never here
 
     def _optimizer_stepped(self, *_: Any) -> None:
         self._stepped = True
@@ -148,4 +161,6 @@ class PeerLossWatch:
 
     def close(self) -> None:
         self._hook.remove()
+        if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_before)
         self.liveness.close()

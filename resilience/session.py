@@ -242,11 +242,20 @@ class TrainingSession:
             rng.DEVICE_UNREADABLE = True
 
     def _rescue_hang(self) -> None:
-        """The training thread is stuck (in a collective with a stopped or vanished rank): save from here."""
-        assert self.peer_watch is not None
-        if self.peer_watch.after_failure(None) is not None:
-            self._record_peer_loss()
-            self.peer_watch.exit()
+        """The training thread is stuck (in a collective with a stopped or vanished rank): save from here.
+
+        A stopped rank's heartbeat goes stale only ``stale_s`` after its last beat, which may be later than the
+        hang report: look again until then, and give up as soon as training moves on (a slow step, not a hang).
+        """
+        watch = self.peer_watch
+        assert watch is not None
+        stuck_at = self.last_step
+        deadline = time.monotonic() + 2 * watch.config.stale_s
+        while time.monotonic() < deadline and self.last_step == stuck_at and not self.ended:
+            if watch.after_failure(None) is not None:
+                self._record_peer_loss()
+                watch.exit()
+            time.sleep(watch.config.heartbeat_s)
 
     def on_failure(self, error: BaseException) -> None:
         """The adapter saw ``error`` leave the training loop. If peers are lost, the survivors save and the process

@@ -209,6 +209,24 @@ def test_kill_9_mid_run_then_relaunch_resumes_from_newest_commit(
     assert_same_training(got, reference)
 
 
+def test_a_rank_killed_mid_step_is_saved_around_by_the_other_and_the_relaunch_is_exact(
+    tmp_path: Path, reference: dict[int, dict[str, Any]]
+) -> None:
+    """kill -9 of rank 1 at the start of step 8 under ``accelerate launch``: rank 0's gradient all-reduce fails, its
+    survivor save commits step 7 (interval saves were every 4), it exits 75, and the relaunch is bit-exact."""
+    settings = {"ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"), "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "4"}
+    with running(tmp_path / "killed", job_env(tmp_path, **settings, TRAIN_VICTIM="1:7")) as proc:
+        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+    log = (tmp_path / "killed" / "launch.log").read_text()
+    assert "survivor save of step 7 by ranks [0] (lost: [1]): committed" in log, log[-6000:]
+    assert committed_steps(tmp_path / "ckpt")[-1] == 7
+    manifest = json.loads((tmp_path / "ckpt" / "step-7" / "manifest.json").read_text())
+    assert manifest["extra"]["survivor_save"] == {"saved_by": [0], "lost": [1]}
+    got = run_job(tmp_path / "resumed", job_env(tmp_path, **settings))
+    assert got[0]["resume"]["global_step"] == 7 and got[1]["resume"]["global_step"] == 7
+    assert_same_training(got, reference)
+
+
 def test_preemption_saves_on_every_rank_and_an_elastic_restart_resumes(
     tmp_path: Path, reference: dict[int, dict[str, Any]]
 ) -> None:

@@ -134,6 +134,37 @@ def test_ddp_ranks_write_in_parallel_and_an_injected_xid_stops_both_for_a_bit_ex
     assert_same_params(ddp_reference, tmp_path / "final.pt")
 
 
+@pytest.mark.parametrize(
+    ("how", "extra"),
+    [("kill", ["--step-sleep", "0.1"]), ("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"])],
+    ids=["kill-9-mid-step", "sigstop-mid-step"],
+)
+def test_ddp_survivor_saves_what_a_lost_rank_leaves_and_the_relaunch_is_bit_exact(
+    tmp_path: Path, ddp_reference: Path, how: str, extra: list[str]
+) -> None:
+    """Rank 1 is lost in step 8 (after ModelCheckpoint's save of step 4): rank 0 commits step 7 from its
+    replica, records who wrote it, and exits 75; the relaunch on both ranks ends where an uninterrupted run does."""
+    command = [sys.executable, str(WORKER), "--root", str(tmp_path), "--devices", "2", "--victim", f"1:7:{how}", *extra]
+    log = tmp_path / "run.log"
+    with log.open("w") as sink:  # not a pipe: a stopped rank 1 (rank 0's child) would hold it open forever
+        proc = subprocess.Popen(
+            command, env=base_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        proc.wait(timeout=180)
+    finally:
+        kill_tree(proc)
+    output = log.read_text()
+    assert proc.returncode == 75, output
+    assert "survivor save of step 7 by ranks [0] (lost: [1]): committed" in output
+    manifest = json.loads((tmp_path / "ckpt" / "step-7" / "manifest.json").read_text())
+    assert manifest["extra"]["survivor_save"] == {"saved_by": [0], "lost": [1]}
+    resumed = train(tmp_path, "--devices", "2", "--out", str(tmp_path / "final.pt"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "Restored step 7" in resumed.stdout + resumed.stderr
+    assert_same_params(ddp_reference, tmp_path / "final.pt")
+
+
 def wait_for(predicate, timeout: float, proc: subprocess.Popen[str]) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not predicate():

@@ -7,7 +7,8 @@ come from ``ACCELERATE_RESILIENCE_*``; the test knobs: TRAIN_STOP_AT (save with 
 this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain DataLoader resumed by skipping),
 TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_PREEMPT_AT (the first elastic
 attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
-loop draws batches through ``resilience.timed``). Each rank also records the ``every_n_steps="auto"`` plans it
+loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
+after STEP begins; the other's survivor save follows from the failed all-reduce). Each rank also records the ``every_n_steps="auto"`` plans it
 followed, and the step at which it got each.
 
 Dropout (torch RNG), Python and NumPy random numbers enter the loss, so any RNG stream restored wrongly shows in
@@ -21,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,11 +118,15 @@ def train(
     """
     accelerator = job.accelerator
     loader = resilience.timed(job.loader) if timed else job.loader
+    victim, victim_step = (int(v) for v in os.environ.get("TRAIN_VICTIM", "-1:-1").split(":"))
     for epoch in range(point.epoch, EPOCHS):
         batches = accelerator.skip_first_batches(loader, point.batches_to_skip) if epoch == point.epoch else loader
         for indices, x, y in batches:
             if resilience.should_stop():  # all ranks agreed on a stop; this step is saved already
                 return
+            if resilience.global_step == victim_step and accelerator.process_index == victim:
+                time.sleep(0.2)  # the boundary's state reaches the others first, as in a real forward pass
+                os.kill(os.getpid(), signal.SIGKILL)
             scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
             loss = F.mse_loss(job.model(x), y) * scale
             accelerator.backward(loss)

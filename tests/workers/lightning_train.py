@@ -35,6 +35,19 @@ class KillAfter(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Victim(pl.Callback):
+    """Rank ``rank`` SIGKILLs (or SIGSTOPs) itself at the start of the step after ``step``, in the middle of a run:
+    the other ranks meet it missing in that step's gradient all-reduce."""
+
+    def __init__(self, rank: int, step: int, how: str) -> None:
+        self.rank, self.step, self.signal = rank, step, signal.SIGKILL if how == "kill" else signal.SIGSTOP
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            time.sleep(0.2)  # the boundary's state reaches the other ranks first, as in a real forward pass
+            os.kill(os.getpid(), self.signal)
+
+
 class Sleep(pl.Callback):
     """Slow steps down, so that a test has time to send a signal mid-run."""
 
@@ -62,6 +75,8 @@ def main() -> None:
     p.add_argument("--health", action="store_true", help="add HealthGuardCallback (faults via RESILIENCE_INJECT)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a signal")
     p.add_argument("--no-auto-resume", action="store_true")
+    p.add_argument("--victim", help="RANK:STEP:kill|stop, a rank lost mid-run")
+    p.add_argument("--hang-min-s", type=float, default=10.0, help="the health watchdog's shortest hang")
     args = p.parse_args()
 
     pl.seed_everything(7, workers=True)
@@ -79,7 +94,10 @@ def main() -> None:
     if args.kill_at is not None:
         callbacks.append(KillAfter(args.kill_at, io))
     if args.health:
-        callbacks.append(HealthGuardCallback(grace_s=60))
+        callbacks.append(HealthGuardCallback(grace_s=60, hang_min_s=args.hang_min_s, hang_min_samples=3))
+    if args.victim:
+        rank, step, how = args.victim.split(":")
+        callbacks.append(Victim(int(rank), int(step), how))
     if args.step_sleep:
         callbacks.append(Sleep(args.step_sleep))
     trainer = pl.Trainer(
