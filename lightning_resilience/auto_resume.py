@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import csv
+import os
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
@@ -82,7 +85,13 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
             raise
         except Exception as exc:
             raise ConfigError(f"AutoResume could not list the checkpoints ({type(exc).__name__}: {exc})") from exc
-        return write_resume_marker(self.io) if found else None
+        if not found:
+            return None
+        trainer = calling_trainer()
+        if trainer is not None and found[0].manifest is not None:
+            # now, before the Trainer first asks its loggers for their folders (the profiler, ModelCheckpoint)
+            continue_loggers(trainer, found[0].manifest.extra.get("logger_versions") or [], found[0].step)
+        return write_resume_marker(self.io)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -116,6 +125,50 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+def continue_loggers(trainer: pl.Trainer, versions: list[Any], step: int) -> None:
+    """Give each logger that has not chosen a version the one it had in the saved run.
+
+    Loggers that number their versions (``CSVLogger``, ``TensorBoardLogger``) take it here; others (run ids
+    of tracking services) can only be given one when they are made, so a mismatch is reported with the fix.
+    ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens a version: its rows from before the
+    resumed step are kept (and the commit of that step), and those of the lost steps after it are dropped
+    (they are logged again).
+    """
+    for logger, version in zip(trainer.loggers, versions, strict=False):  # loggers added or removed: the first ones
+        if version is None:
+            continue
+        if getattr(logger, "_version", version) is None:
+            logger._version = version
+            if isinstance(logger, CSVLogger) and trainer.is_global_zero:
+                _keep_csv_rows(logger, step)
+        elif logger.version != version:
+            rank_zero_warn(
+                f"AutoResume: {type(logger).__name__} logs this resumed run as {logger.version!r}, the saved run "
+                f"as {version!r}; to continue that run, give the logger its id (e.g. WandbLogger(id={version!r}, "
+                "resume='allow'), MLFlowLogger(run_id=...))"
+            )
+
+
+def _keep_csv_rows(logger: CSVLogger, step: int) -> None:
+    path = os.path.join(logger.log_dir, "metrics.csv")  # the file name Lightning's writer uses
+    if not os.path.isfile(path):
+        return
+    aside = f"{path}.resumed-{os.getpid()}"
+    os.replace(path, aside)  # out of the writer's reach until its rows are written back
+    with open(aside, newline="") as stream:
+        rows = [
+            {key: value for key, value in row.items() if value != ""}
+            for row in csv.DictReader(stream)
+            if float(row.get("step") or 0) < step or 0 < float(row.get("checkpoint/committed_step") or 0) <= step
+        ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+        experiment = logger.experiment
+    experiment.metrics[:0] = rows
+    experiment.save()
+    os.remove(aside)
 
 
 def _warn_if_order_is_not_resumable(trainer: pl.Trainer) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -46,6 +47,7 @@ from resilience.staging import barrier_for
 from resilience.storage import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
+ENGINE_LOGGERS = ("resilience", "lightning_resilience")
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 RESUME_MARKER = "resume.ckpt"  # AutoResume's ckpt_path: "the newest committed checkpoint that verifies"
 _MARKER_FORMAT = "training-resilience/resume"
@@ -146,6 +148,7 @@ class ResilientCheckpointIO(CheckpointIO):
         self.resumed_at_epoch_end = False
         self._warned_rank0_only = False
         _LIVE.add(self)
+        log_through_lightning()
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
@@ -229,7 +232,7 @@ class ResilientCheckpointIO(CheckpointIO):
                 if is_weights_only(checkpoint) and trainer is not None:
                     state = full_state(trainer)
                 else:
-                    state = split_checkpoint(checkpoint)
+                    state = split_checkpoint(checkpoint, trainer)
                 handle = session.save(step, state, reason="named")
             keys, run_id = list(checkpoint), session.manager.run_id
             if fitting and _tensor_bytes(checkpoint) >= self.sync_names_below_mb * 2**20:
@@ -421,3 +424,25 @@ def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
+
+
+class _ThroughLightning(logging.Handler):
+    """The pack's log lines, out the way Lightning's own go: its logger's handlers and level, and INFO from
+    rank 0 only (rank-specific warnings, e.g. of a survivor save, come from every rank)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lightning = logging.getLogger("lightning.pytorch")
+        if (record.levelno >= logging.WARNING or rank_zero_only.rank == 0) and lightning.isEnabledFor(record.levelno):
+            lightning.handle(record)
+
+
+def log_through_lightning() -> None:
+    """Without a logging setup of the user's (which then takes these lines, as it takes Lightning's), the
+    pack's lines would go out through Python's last-resort handler, deaf to Lightning's log level."""
+    if logging.getLogger().hasHandlers():
+        return
+    for name in ENGINE_LOGGERS:
+        engine = logging.getLogger(name)
+        if not any(isinstance(handler, _ThroughLightning) for handler in engine.handlers):
+            engine.addHandler(_ThroughLightning())
+            engine.propagate = False

@@ -8,10 +8,10 @@ go into the per-rank part; everything else is the shared part, identical across 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
@@ -25,8 +25,9 @@ def is_weights_only(checkpoint: dict[str, Any]) -> bool:
     return not any(key in checkpoint for key in WEIGHTS_ONLY_MISSING)
 
 
-def split_checkpoint(checkpoint: dict[str, Any]) -> SaveState:
-    """(shared state, this rank's state, manifest extras); the caller's dict is not modified."""
+def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = None) -> SaveState:
+    """(shared state, this rank's state, manifest extras); the caller's dict is not modified. With the
+    ``trainer``, the extras also name its loggers' versions, which a resume continues."""
     shared = dict(checkpoint)
     loaders = None
     node: dict[str, Any] = shared
@@ -40,13 +41,27 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> SaveState:
     else:
         loaders = node.pop(_LOADER_PATH[-1], None)
     rank_state = {"rng": capture_rng(), "combined_loader": loaders}
-    extra = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
+    extra: dict[str, Any] = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
+    if trainer is not None:
+        extra["logger_versions"] = logger_versions(trainer)
     return SaveState(shared, rank_state, {"adapter": "lightning", **extra})
+
+
+def logger_versions(trainer: pl.Trainer) -> list[int | str | None]:
+    """Each logger's version (run id) as far as JSON can hold it, in the Trainer's order."""
+    versions: list[int | str | None] = []
+    for logger in trainer.loggers:
+        try:
+            version = logger.version
+        except Exception:  # a logger that needs its service for this: no version to continue
+            version = None
+        versions.append(version if isinstance(version, (int, str)) else None)
+    return versions
 
 
 def full_state(trainer: pl.Trainer) -> SaveState:
     """What the session saves on its own (interval and emergency saves): everything a resume needs."""
-    return split_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+    return split_checkpoint(trainer._checkpoint_connector.dump_checkpoint(weights_only=False), trainer)
 
 
 def boundary_snapshot(trainer: pl.Trainer, step: int) -> BoundarySnapshot:
@@ -58,7 +73,7 @@ def boundary_snapshot(trainer: pl.Trainer, step: int) -> BoundarySnapshot:
     def shared() -> SaveState:
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         checkpoint["loops"] = {**checkpoint.get("loops", {}), "fit_loop": fit_loop}
-        return dataclasses.replace(split_checkpoint(checkpoint), rank_state=rank_state)
+        return dataclasses.replace(split_checkpoint(checkpoint, trainer), rank_state=rank_state)
 
     return BoundarySnapshot(step, rank_state, shared)
 
@@ -88,11 +103,10 @@ def drop_foreign_rank_state(rank_state: Any, saved_world: int, world: int, where
     """Per-rank state (RNG, loader position) of another world size does not fit this one: drop it, say so."""
     if saved_world == world:
         return rank_state
-    warnings.warn(
+    rank_zero_warn(
         f"{where} was saved by {saved_world} processes and this run has {world}: the model, optimizers and "
         "schedulers are restored (resharded), but each rank's RNG and data loader position start afresh "
-        "(the interrupted epoch is replayed from its start)",
-        stacklevel=3,
+        "(the interrupted epoch is replayed from its start)"
     )
     return None
 

@@ -83,7 +83,7 @@ def test_a_real_save_reaches_the_tracker_and_the_ledger(tmp_path: Path) -> None:
     commits = [entry for entry in tracker.logged if "checkpoint/write_s" in entry]
     assert len(commits) == 1
     commit = commits[0]
-    assert commit["checkpoint/step"] == 3 and commit["step"] == 3  # logged at the current training step
+    assert commit["checkpoint/committed_step"] == 3 and commit["step"] == 3  # logged at the current training step
     assert commit["checkpoint/bytes"] > 0 and commit["checkpoint/write_MBps"] > 0
     assert 0 <= commit["checkpoint/block_s"] < 5 and "checkpoint/gpu_util_save_pct" not in commit  # CPU run
 
@@ -260,7 +260,7 @@ def test_auto_interval_is_young_daly_from_the_measured_costs(tmp_path: Path) -> 
     assert plan.expected_overhead == pytest.approx(plan.cost_s / plan.interval_s)
     assert plan.expected_lost_s_per_failure == pytest.approx(plan.interval_s / 2)
 
-    saved = [entry["checkpoint/step"] for entry in tracker.logged if "checkpoint/write_s" in entry]
+    saved = [entry["checkpoint/committed_step"] for entry in tracker.logged if "checkpoint/write_s" in entry]
     planned = [entry for entry in tracker.logged if "checkpoint/interval_steps" in entry]
     assert saved[0] == 5 and len(saved) >= 3  # the first save measures the cost
     assert [entry["step"] for entry in planned] == saved  # a plan after every save, where all ranks are

@@ -93,7 +93,7 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
         want = final_state(job)
     assert committed_steps(tmp_path) == [10, 20, 25, 30]  # keep_last=3 plus the multiples of keep_every
     commits = [entry for entry in tracker.logged if "checkpoint/write_s" in entry]  # local commits
-    assert [entry["checkpoint/step"] for entry in commits] == [5, 10, 15, 20, 25, 30]
+    assert [entry["checkpoint/committed_step"] for entry in commits] == [5, 10, 15, 20, 25, 30]
     assert all(entry["checkpoint/block_s"] < 5 for entry in commits)
 
     # Step 10 ended epoch 0; its automatic save ran as epoch 1's first batch was drawn.

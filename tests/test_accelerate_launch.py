@@ -157,7 +157,7 @@ def test_stop_then_resume_is_bit_exact(stopped: dict[str, Any], reference: dict[
     tmp: Path = stopped["tmp"]
     assert committed_steps(tmp / "ckpt") == [STOP_AT]
     metrics = [json.loads(line) for line in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert any(m.get("checkpoint/step") == STOP_AT and "checkpoint/write_s" in m for m in metrics)
+    assert any(m.get("checkpoint/committed_step") == STOP_AT and "checkpoint/write_s" in m for m in metrics)
 
     settings = {k: v for k, v in stopped["settings"].items() if k != "TRAIN_STOP_AT"}
     got = run_job(tmp / "resumed", job_env(tmp, **settings))

@@ -70,7 +70,7 @@ def test_real_save_and_upload_become_metrics_and_ledger_notes(tmp_path: Path) ->
 
     saved, uploaded = telemetry.drain()
     assert telemetry.drain() == []
-    assert saved["checkpoint/step"] == 3.0 and saved["checkpoint/bytes"] >= 512 * 512 * 4
+    assert saved["checkpoint/committed_step"] == 3 and saved["checkpoint/bytes"] >= 512 * 512 * 4
     assert saved["checkpoint/block_s"] == pytest.approx(handle.timings["block_s"])
     assert saved["checkpoint/write_s"] > 0
     assert saved["checkpoint/write_MBps"] == pytest.approx(

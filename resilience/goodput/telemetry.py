@@ -21,6 +21,7 @@ from resilience.goodput.ledger import GoodputLedger
 
 log = logging.getLogger(__name__)
 PREFIX = "checkpoint/"
+_STEP_NAMES = {"local_commit": "committed_step", "durable_commit": "uploaded_step"}
 
 
 class GpuUtilSampler:
@@ -144,7 +145,8 @@ class CheckpointTelemetry:
             metrics = {PREFIX + name: float(self.counts[name])}
         if metrics is None:
             return
-        metrics[PREFIX + "step"] = float(step)
+        if kind in _STEP_NAMES:  # one name per event, so a logger row never holds two values of one key
+            metrics[PREFIX + _STEP_NAMES[kind]] = step
         self.records.append(metrics)
         self._pending.append(metrics)
         if self.ledger is not None:

@@ -8,8 +8,8 @@ this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain 
 TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_PREEMPT_AT (the first elastic
 attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
 loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
-after STEP begins; the other's survivor save follows from the failed all-reduce). Each rank also records the ``every_n_steps="auto"`` plans it
-followed, and the step at which it got each.
+after STEP begins; the other's survivor save follows from the failed all-reduce). Each rank also records the
+``every_n_steps="auto"`` plans it followed, and the step at which it got each.
 
 Dropout (torch RNG), Python and NumPy random numbers enter the loss, so any RNG stream restored wrongly shows in
 the final parameters; each rank records the sample indices it trained on in an object registered for
