@@ -100,6 +100,7 @@ class WriteSpec:
     run_id: str | None
     writer: dict[str, Any] | None
     protected: list[int] = field(default_factory=list)
+    packs: bytes | None = None
 
 
 class ForkServer:
@@ -255,6 +256,7 @@ class HelperPipeline:
             run_id=job.run_id,
             writer=job.writer,
             protected=sorted(self._protected_steps()),
+            packs=job.packs,
         )
         try:
             if fresh:
@@ -462,6 +464,7 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
                     block_s=spec.block_s,
                     run_id=spec.run_id,
                     writer=spec.writer,
+                    packs=spec.packs,
                 )
             )
         elif kind == "retain":

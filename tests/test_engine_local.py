@@ -44,7 +44,7 @@ def test_save_commit_load_roundtrip(tmp_path: Path) -> None:
         assert handle is not None and handle.committed.result(30).step == 5
     manifest = json.loads((tmp_path / "step-5" / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["world_size"] == 1
-    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state"}
+    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state", "packs"}  # w, b: packed
     for entry in manifest["files"]:
         assert (tmp_path / "step-5" / entry["path"]).stat().st_size == entry["size"]
     with manager(tmp_path) as m:
