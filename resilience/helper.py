@@ -180,7 +180,7 @@ class HelperPipeline:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}
-        self._sent_buffers: dict[str, int] = {}
+        self._sent_buffers: dict[str, tuple[str | None, str, tuple[int, ...]]] = {}
         self._closed = threading.Event()
         self._conn: Connection = ForkServer.get().connect()
         self._conn.send(settings)
@@ -243,7 +243,9 @@ class HelperPipeline:
             return
         if not job.handle.staged.done():
             job.handle.staged.set_result(None)
-        fresh = {k: t for k, t in staged.items() if self._sent_buffers.get(k) != _identity(t)}
+        # by segment name, not address: a buffer made anew (another shape) may be mapped where the old one was
+        segments = {k: _segment_of(_local(t)) for k, t in staged.items()}
+        fresh = {k: segment for k, segment in segments.items() if self._sent_buffers.get(k) != segment}
         spec = WriteSpec(
             step=job.step,
             keys=list(staged),
@@ -260,8 +262,8 @@ class HelperPipeline:
         )
         try:
             if fresh:
-                self._send(("buffers", {k: _segment_of(_local(t)) for k, t in fresh.items()}))
-                self._sent_buffers.update((k, _identity(t)) for k, t in fresh.items())
+                self._send(("buffers", fresh))
+                self._sent_buffers.update(fresh)
             self._send(("write", spec))
         except OSError:
             pass  # the reader sees the helper gone and fails the save
@@ -324,10 +326,6 @@ class HelperPipeline:
             with self._lock:
                 self.errors.append(error)
             handle.fail(error)
-
-
-def _identity(tensor: Any) -> int:
-    return _local(tensor).data_ptr()
 
 
 def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:

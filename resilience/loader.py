@@ -254,21 +254,33 @@ def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = T
         slot = slots.get(key)
         if slot is not None:
             if key in given:
-                packing.check_target(slot, key, given[key], entry.where(), entry.step)
+                _check_shape(entry, key, slot.shape, given[key])
                 plan.pack_targets[key] = given[key]
             if slot.pack not in plan.tensors:
                 assert layout is not None
                 plan.tensors[slot.pack] = torch.empty(layout.sizes[slot.pack], dtype=torch.uint8)
             plan.packed.append(key)
             continue
-        if key in given:
-            plan.tensors[key] = given[key]
-            continue
         md = metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"{entry.where()}: no tensor {key!r} in DCP metadata", step=entry.step)
-        plan.tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        if key in given:
+            _check_shape(entry, key, tuple(md.size), given[key])
+            plan.tensors[key] = given[key]
+        else:
+            plan.tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
     return plan
+
+
+def _check_shape(entry: Entry, key: str, saved: tuple[int, ...], target: torch.Tensor) -> None:
+    """A target must have the saved tensor's shape (a DTensor its global one; dtypes convert, as in DCP): a
+    mismatch is the caller's, and must not set a sound checkpoint aside as DCP's failed read would."""
+    if tuple(target.shape) != tuple(saved):
+        raise IncompatibleStateError(
+            f"{entry.where()}: tensor {key!r} was saved with shape {list(saved)}, the target's is "
+            f"{list(target.shape)}: load into a state with the same structure as the saved one",
+            step=entry.step,
+        )
 
 
 def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool) -> Restored:

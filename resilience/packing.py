@@ -27,7 +27,7 @@ import torch
 import xxhash
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from resilience.errors import CorruptCheckpointError, IncompatibleStateError
+from resilience.errors import CorruptCheckpointError
 from resilience.layout import PACK_PREFIX, PACKS_FILE, pack_key
 from resilience.manifest import MAX_FILE_BYTES
 
@@ -200,16 +200,6 @@ def plan(tensors: Mapping[str, torch.Tensor], *, below_bytes: int, pack_bytes: i
     if pack:
         sizes[pack] = used
     return PackLayout(slots, sizes)
-
-
-def check_target(slot: Slot, key: str, target: torch.Tensor, where: str, step: int | None) -> None:
-    """A target for a packed tensor must have its shape (DTensors: the global one); dtypes convert, like DCP."""
-    if tuple(target.shape) != slot.shape:
-        raise IncompatibleStateError(
-            f"{where}: tensor {key!r} was saved with shape {list(slot.shape)}, the target's is "
-            f"{list(target.shape)}: load into a state with the same structure as the saved one",
-            step=step,
-        )
 
 
 def unpack(
