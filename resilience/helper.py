@@ -100,6 +100,7 @@ class WriteSpec:
     run_id: str | None
     writer: dict[str, Any] | None
     protected: list[int] = field(default_factory=list)
+    packs: bytes | None = None
 
 
 class ForkServer:
@@ -179,7 +180,7 @@ class HelperPipeline:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._handles: dict[int, SaveHandle] = {}
-        self._sent_buffers: dict[str, int] = {}
+        self._sent_buffers: dict[str, tuple[str | None, str, tuple[int, ...]]] = {}
         self._closed = threading.Event()
         self._conn: Connection = ForkServer.get().connect()
         self._conn.send(settings)
@@ -242,7 +243,9 @@ class HelperPipeline:
             return
         if not job.handle.staged.done():
             job.handle.staged.set_result(None)
-        fresh = {k: t for k, t in staged.items() if self._sent_buffers.get(k) != _identity(t)}
+        # by segment name, not address: a buffer made anew (another shape) may be mapped where the old one was
+        segments = {k: _segment_of(_local(t)) for k, t in staged.items()}
+        fresh = {k: segment for k, segment in segments.items() if self._sent_buffers.get(k) != segment}
         spec = WriteSpec(
             step=job.step,
             keys=list(staged),
@@ -255,11 +258,12 @@ class HelperPipeline:
             run_id=job.run_id,
             writer=job.writer,
             protected=sorted(self._protected_steps()),
+            packs=job.packs,
         )
         try:
             if fresh:
-                self._send(("buffers", {k: _segment_of(_local(t)) for k, t in fresh.items()}))
-                self._sent_buffers.update((k, _identity(t)) for k, t in fresh.items())
+                self._send(("buffers", fresh))
+                self._sent_buffers.update(fresh)
             self._send(("write", spec))
         except OSError:
             pass  # the reader sees the helper gone and fails the save
@@ -322,10 +326,6 @@ class HelperPipeline:
             with self._lock:
                 self.errors.append(error)
             handle.fail(error)
-
-
-def _identity(tensor: Any) -> int:
-    return _local(tensor).data_ptr()
 
 
 def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:
@@ -462,6 +462,7 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
                     block_s=spec.block_s,
                     run_id=spec.run_id,
                     writer=spec.writer,
+                    packs=spec.packs,
                 )
             )
         elif kind == "retain":

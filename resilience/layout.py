@@ -6,6 +6,7 @@ A tier (the local root, or the durable URL) holds::
         __<rank>_<i>.distcp        DCP shards
         .metadata                  DCP's global metadata (a pickle, checked before it is read)
         state.json                 the non-tensor skeleton of the shared state
+        packs.json                 where each packed small tensor lies in the __packs__/<i> DCP entries
         rank-<r>.json              each rank's own state (RNG, data position)
         .writer.json               who is writing it (until the commit; never uploaded)
         manifest.json              the commit record, written last
@@ -25,6 +26,9 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 STATE_FILE = "state.json"
+PACKS_FILE = "packs.json"
+# DCP keys of the flat byte buffers that small plain tensors are packed into (reserved: no state key may start so)
+PACK_PREFIX = "__packs__/"
 WRITER_FILE = ".writer.json"
 QUARANTINE_DIR = "quarantine"
 SUPERSEDED_DIR = "superseded"
@@ -52,6 +56,10 @@ def rank_state_file(rank: int) -> str:
 def rank_prefix(rank: int) -> str:
     """Key prefix of a rank's own tensors: DCP would otherwise collapse equal keys of different ranks."""
     return f"__rank{rank}__/"
+
+
+def pack_key(index: int) -> str:
+    return f"{PACK_PREFIX}{index}"
 
 
 def aside_name(step: int, stamp: str) -> str:

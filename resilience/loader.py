@@ -15,7 +15,7 @@ import os
 import pickle
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +24,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from resilience import packing
 from resilience.catalog import Entry
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
-from resilience.layout import DCP_METADATA, STATE_FILE, rank_state_file
+from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
 from resilience.manifest import Manifest, hash_bytes
+from resilience.packing import PackLayout
 from resilience.storage import Tier
 from resilience.tree import flatten, tensor_keys, unflatten
 
@@ -205,6 +207,25 @@ class LoadPlan:
     skeleton: Any
     rank_skeleton: Any
     tensors: dict[str, torch.Tensor]
+    layout: PackLayout | None = None
+    packed: list[str] = field(default_factory=list)  # keys read out of packs after DCP has filled them
+    pack_targets: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def load_packs(entry: Entry, metadata: Metadata) -> PackLayout | None:
+    """The checkpoint's ``packs.json``, checked against its manifest entry and DCP's metadata (None: no packs)."""
+    assert entry.manifest is not None
+    if entry.manifest.file(PACKS_FILE) is None:
+        return None
+    layout = PackLayout.from_json(load_skeleton(entry, PACKS_FILE), where=entry.where(), step=entry.step)
+    for pack, size in layout.sizes.items():
+        md = metadata.state_dict_metadata.get(pack)
+        as_bytes = isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.uint8
+        if not (as_bytes and list(md.size) == [size]):  # type: ignore[union-attr]
+            raise CorruptCheckpointError(
+                f"{entry.where()}: pack {pack!r} is not in the DCP metadata as {size} bytes", step=entry.step
+            )
+    return layout
 
 
 def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True) -> LoadPlan:
@@ -215,26 +236,51 @@ def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = T
     rank_skeleton = None
     if want_rank_state and entry.manifest.file(rank_state_file(rank)) is not None:
         rank_skeleton = load_skeleton(entry, rank_state_file(rank))
+    layout = load_packs(entry, metadata)
+    slots = layout.slots if layout is not None else {}
 
     wanted = tensor_keys(skeleton) + (tensor_keys(rank_skeleton) if rank_skeleton is not None else [])
+    wanted = list(dict.fromkeys(wanted))  # a tensor the state refers to twice (tied weights) is read once
     given = flatten(target).tensors if target is not None else {}
-    missing = [key for key in given if key not in metadata.state_dict_metadata]
+    missing = [key for key in given if key not in metadata.state_dict_metadata and key not in slots]
     if missing:
         raise IncompatibleStateError(
             f"{entry.where()} has no tensor for {len(missing)} key(s) of the target, e.g. {missing[:3]}: "
             "load into a state with the same structure as the saved one",
             step=entry.step,
         )
-    tensors: dict[str, torch.Tensor] = {}
+    plan = LoadPlan(metadata, skeleton, rank_skeleton, {}, layout)
     for key in wanted:
-        if key in given:
-            tensors[key] = given[key]
+        slot = slots.get(key)
+        if slot is not None:
+            if key in given:
+                _check_shape(entry, key, slot.shape, given[key])
+                plan.pack_targets[key] = given[key]
+            if slot.pack not in plan.tensors:
+                assert layout is not None
+                plan.tensors[slot.pack] = torch.empty(layout.sizes[slot.pack], dtype=torch.uint8)
+            plan.packed.append(key)
             continue
         md = metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CorruptCheckpointError(f"{entry.where()}: no tensor {key!r} in DCP metadata", step=entry.step)
-        tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    return LoadPlan(metadata, skeleton, rank_skeleton, tensors)
+        if key in given:
+            _check_shape(entry, key, tuple(md.size), given[key])
+            plan.tensors[key] = given[key]
+        else:
+            plan.tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    return plan
+
+
+def _check_shape(entry: Entry, key: str, saved: tuple[int, ...], target: torch.Tensor) -> None:
+    """A target must have the saved tensor's shape (a DTensor its global one; dtypes convert, as in DCP): a
+    mismatch is the caller's, and must not set a sound checkpoint aside as DCP's failed read would."""
+    if tuple(target.shape) != tuple(saved):
+        raise IncompatibleStateError(
+            f"{entry.where()}: tensor {key!r} was saved with shape {list(saved)}, the target's is "
+            f"{list(target.shape)}: load into a state with the same structure as the saved one",
+            step=entry.step,
+        )
 
 
 def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool) -> Restored:
@@ -253,11 +299,15 @@ def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, a
         # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
         kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
         raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
+    tensors = plan.tensors
+    if plan.layout is not None and plan.packed:
+        unpacked = packing.unpack(plan.layout, plan.packed, plan.tensors, plan.pack_targets)
+        tensors = {key: t for key, t in plan.tensors.items() if key not in plan.layout.sizes} | unpacked
     where = entry.where()
-    state = unflatten(plan.skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
+    state = unflatten(plan.skeleton, tensors, allow_pickle=allow_pickle, where=where)
     rank_state = None
     if plan.rank_skeleton is not None:
-        rank_state = unflatten(plan.rank_skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
+        rank_state = unflatten(plan.rank_skeleton, tensors, allow_pickle=allow_pickle, where=where)
     return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))
 
 

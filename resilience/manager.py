@@ -30,7 +30,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from resilience import catalog
+from resilience import catalog, packing
 from resilience.config import CheckpointConfig, WhenBusy
 from resilience.dist import Groups
 from resilience.errors import (
@@ -56,6 +56,7 @@ from resilience.layout import (
 )
 from resilience.loader import Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
+from resilience.packing import PackLayout
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, StagingJob
@@ -126,6 +127,7 @@ class CheckpointManager:
         self._restored: Restored | None = None
         self._stager = HostStager(config.pin_memory, shared=config.persist == "process")
         self._staging: StagingJob | None = None
+        self._last_layout: PackLayout | None = None
         self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
         self._lock = threading.Lock()
@@ -392,9 +394,12 @@ class CheckpointManager:
         busy = self._inflight is not None and not self._inflight.committed.done()
         errors = self.pipeline.take_errors()
         flat = flatten(state)
+        layout = self._pack_layout(flat.tensors)
         writers = [r for r in range(self.world_size) if r not in set(abstain)]
         alone = only_held_by(flat.tensors, set(abstain)) if abstain else []
-        any_error, any_busy, any_alone = self.groups.control.max([int(bool(errors)), int(busy), int(bool(alone))])
+        any_error, any_busy, any_alone, high, negated_low = self.groups.control.max(
+            [int(bool(errors)), int(busy), int(bool(alone)), layout.digest, -layout.digest]
+        )
         if any_alone:
             what = f" (e.g. {alone[0]!r} here)" if alone else ""
             raise CheckpointError(
@@ -410,6 +415,13 @@ class CheckpointManager:
                     "A checkpoint failed on another rank (see that rank's log); stopping so no rank runs ahead",
                     step=step,
                 )
+            )
+        if high != -negated_low:
+            raise CheckpointError(
+                "the ranks' shared states differ in their plain tensors (names, dtypes or shapes), so their packs "
+                "would not match: every rank must pass the same tree as state (what differs per rank belongs in "
+                "rank_state)",
+                step=step,
             )
         if any_busy:
             if (when_busy or self.config.when_busy) == "skip":
@@ -431,14 +443,17 @@ class CheckpointManager:
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
         if not writers:
             raise CheckpointError("every rank abstains from this save: there is no healthy replica to write it")
-        shared = share_among(flat.tensors, self.rank, writers)
+        # packs are dealt out like replicated tensors of their size; this rank stages the ones it got
+        shared = share_among(layout.units(flat.tensors), self.rank, writers)
         if shared and self.device_unreadable:
             raise CheckpointError(
                 f"rank {self.rank}'s GPU must not be read ({self.device_unreadable}), yet a save asked it for its "
                 "share: pass the sick ranks as abstain"
             )
-        tensors = {**shared, **(rank_flat.tensors if rank_flat else {})}
-        staging = self._stager.stage(tensors, asynchronous=self.config.async_staging)
+        packs = layout.shares(flat.tensors, [key for key in shared if key in layout.sizes])
+        tensors = {key: t for key, t in shared.items() if key not in packs}
+        tensors.update(rank_flat.tensors if rank_flat else {})
+        staging = self._stager.stage(tensors, asynchronous=self.config.async_staging, packs=packs)
         handle = SaveHandle(step)
         if not self.config.async_staging:
             handle.staged.set_result(None)
@@ -462,6 +477,7 @@ class CheckpointManager:
                 run_id=self.run_id,
                 writer=self.owner.to_json() if self.owner is not None else None,
                 pieces={k: _create_write_items(k, t) for k, t in tensors.items() if isinstance(t, DTensor)},
+                packs=layout.encoded if layout else None,
             )
         )
         if flat.pickled and self.stats.saves == 0:
@@ -478,6 +494,15 @@ class CheckpointManager:
         self.stats.block_s.append(block_s)
         self.stats.stall_s += block_s
         return handle
+
+    def _pack_layout(self, tensors: dict[str, Any]) -> PackLayout:
+        """Where this save packs its small plain tensors; the previous save's layout when the same (its views
+        into the staging buffers are kept with it)."""
+        layout = packing.plan(tensors, below_bytes=self.config.pack_tensor_bytes, pack_bytes=self.config.pack_bytes)
+        if self._last_layout is not None and self._last_layout == layout:
+            return self._last_layout
+        self._last_layout = layout
+        return layout
 
     def wait_for_staging(self) -> None:
         """With ``async_staging``: return once the state may be changed again (call before ``optimizer.step()``)."""

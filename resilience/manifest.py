@@ -15,12 +15,16 @@ from typing import IO, Any, TypeGuard
 import xxhash
 
 from resilience.errors import CorruptCheckpointError
+from resilience.layout import PACKS_FILE
 
 FORMAT = "training-resilience/checkpoint"
-VERSION = 1
+# 1: every tensor is a DCP entry of its own. 2: small tensors may be packed (a "packs" file, packs.json). A manifest
+# states the lowest version its checkpoint needs, so one without packs stays readable by releases reading only 1.
+VERSION = 2
+PACKED_VERSION = 2
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 50
-FILE_KINDS = ("shard", "dcp-metadata", "state")
+FILE_KINDS = ("shard", "dcp-metadata", "state", "packs")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _RUN_ID = re.compile(r"^[0-9a-zA-Z_.-]{1,64}$")
@@ -62,11 +66,16 @@ class Manifest:
         """True when the manifest covers every rank's files (not only one node's part of the local tier)."""
         return self.ranks is None or sorted(self.ranks) == list(range(self.world_size))
 
+    @property
+    def version(self) -> int:
+        """The lowest format version that can read this checkpoint."""
+        return PACKED_VERSION if any(entry.kind == "packs" for entry in self.files) else 1
+
     def file(self, path: str) -> FileEntry | None:
         return next((entry for entry in self.files if entry.path == path), None)
 
     def to_json(self) -> bytes:
-        body = {"format": FORMAT, "version": VERSION, **asdict(self)}
+        body = {"format": FORMAT, "version": self.version, **asdict(self)}
         return json.dumps(body, indent=1, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -99,6 +108,9 @@ class Manifest:
         files = [_parse_file(item, world_size, bad) for item in raw_files]
         if len({entry.path for entry in files}) != len(files):
             raise bad("a file is listed twice")
+        packs = [entry for entry in files if entry.kind == "packs"]
+        if packs and (version < PACKED_VERSION or len(packs) > 1 or packs[0].path != PACKS_FILE):
+            raise bad(f"a 'packs' file must be the one {PACKS_FILE}, in a manifest of version {PACKED_VERSION} or up")
         ranks = body.get("ranks")
         if ranks is not None and (
             not isinstance(ranks, list) or not all(_is_int(r) and 0 <= r < world_size for r in ranks)

@@ -31,7 +31,7 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
-from resilience.layout import DCP_METADATA, MANIFEST, STATE_FILE, WRITER_FILE, rank_state_file
+from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, WRITER_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest, hash_stream
 from resilience.retention import steps_to_delete
 from resilience.save_handle import Commit, SaveHandle
@@ -56,6 +56,7 @@ class WriteJob:
     run_id: str | None = None
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
+    packs: bytes | None = None  # packs.json: where the packed tensors lie (None: nothing packed)
 
 
 @dataclass
@@ -265,6 +266,9 @@ class Pipeline:
             if self.rank == 0:
                 mine += [(DCP_METADATA, "dcp-metadata"), (STATE_FILE, "state")]
                 self._write_json(local_dir, STATE_FILE, job.skeleton)
+                if job.packs is not None:
+                    mine.append((PACKS_FILE, "packs"))
+                    self._write_bytes(local_dir, PACKS_FILE, job.packs)
             if job.rank_skeleton is not None:
                 mine.append((rank_state_file(self.rank), "state"))
                 self._write_json(local_dir, rank_state_file(self.rank), job.rank_skeleton)
@@ -282,9 +286,11 @@ class Pipeline:
         return entries, timings
 
     def _write_json(self, directory: str, name: str, skeleton: Any) -> None:
-        path = os.path.join(directory, name)
-        with open(path, "w") as handle:
-            json.dump(skeleton, handle, allow_nan=False, separators=(",", ":"))
+        self._write_bytes(directory, name, json.dumps(skeleton, allow_nan=False, separators=(",", ":")).encode())
+
+    def _write_bytes(self, directory: str, name: str, data: bytes) -> None:
+        with open(os.path.join(directory, name), "wb") as handle:
+            handle.write(data)
             if self.config.fsync:
                 handle.flush()
                 os.fsync(handle.fileno())

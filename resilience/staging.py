@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.shared_memory import SharedMemory
 
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from resilience.config import CheckpointConfig
+from resilience.packing import PackShare, Slot
 
 
 def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
@@ -87,6 +89,7 @@ class HostStager:
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[str, tuple[torch.Tensor, tuple[Slot, ...], list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -95,21 +98,33 @@ class HostStager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, tensors: Mapping[str, torch.Tensor], *, asynchronous: bool = False) -> StagingJob:
-        """Copy ``tensors`` into the buffers; with ``asynchronous`` return before the copy has finished."""
+    def stage(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        asynchronous: bool = False,
+        packs: Mapping[str, PackShare] | None = None,
+    ) -> StagingJob:
+        """Copy ``tensors`` into the buffers, and the tensors of each of ``packs`` into their slots of that pack's
+        buffer (one flat byte buffer per pack); with ``asynchronous`` return before the copy has finished."""
         staged: dict[str, torch.Tensor] = {}
         cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         cpu_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         with self._lock:
             for key, tensor in tensors.items():
                 local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-                if local.device.type not in ("cpu", "cuda"):
-                    raise ValueError(f"cannot stage {key!r} from device {local.device}: move it to CPU or CUDA")
-                buffer = self._buffer(key, local)
+                _check_device(key, local)
+                buffer = self._buffer(key, local.shape, local.dtype, cuda=local.is_cuda)
                 (cuda_pairs if local.is_cuda else cpu_pairs).append((buffer, local))
                 staged[key] = (
                     DTensor(buffer, tensor._spec, requires_grad=False) if isinstance(tensor, DTensor) else buffer
                 )
+            for key, share in (packs or {}).items():  # members are on CPU or CUDA (packing.packable)
+                cuda = any(source.is_cuda for source in share.sources)
+                buffer = self._buffer(key, (share.nbytes,), torch.uint8, cuda=cuda)
+                for view, source in zip(self._pack_views(key, buffer, share.slots), share.sources, strict=True):
+                    (cuda_pairs if source.is_cuda else cpu_pairs).append((view, source))
+                staged[key] = buffer
         event = self._copy_cuda(cuda_pairs, asynchronous) if cuda_pairs else None
         cpu_copy: Future[None] | None = None
         if cpu_pairs and asynchronous:
@@ -123,19 +138,28 @@ class HostStager:
             event = None
         return StagingJob(staged, event, cpu_copy)
 
-    def _buffer(self, key: str, source: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, key: str, shape: Sequence[int], dtype: torch.dtype, *, cuda: bool) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+        if buffer is None or buffer.shape != tuple(shape) or buffer.dtype != dtype:
             if buffer is not None:
                 _release(buffer)
+            pin = self._pin and cuda
             if self._shared:
-                buffer = _shared_buffer(source, pin=self._pin and source.is_cuda)
+                buffer = _shared_buffer(shape, dtype, pin=pin)
             else:
-                buffer = torch.empty(
-                    source.shape, dtype=source.dtype, device="cpu", pin_memory=self._pin and source.is_cuda
-                )
+                buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buffer
         return buffer
+
+    def _pack_views(self, key: str, buffer: torch.Tensor, slots: tuple[Slot, ...]) -> list[torch.Tensor]:
+        """A view of ``buffer`` per slot, kept while the pack's buffer and layout stay the same (making 10,000
+        views costs more than copying 10,000 small tensors into them)."""
+        cached = self._views.get(key)
+        if cached is not None and cached[0] is buffer and cached[1] == slots:
+            return cached[2]
+        views = [slot.view(buffer) for slot in slots]
+        self._views[key] = (buffer, slots, views)
+        return views
 
     def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], asynchronous: bool) -> torch.cuda.Event:
         current = torch.cuda.current_stream()
@@ -161,6 +185,7 @@ class HostStager:
         for buffer in self._buffers.values():
             _release(buffer)
         self._buffers.clear()
+        self._views.clear()
 
 
 # Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
@@ -169,11 +194,11 @@ SEGMENTS: dict[int, str] = {}
 _SEGMENT_OBJECTS: dict[int, SharedMemory] = {}
 
 
-def _shared_buffer(source: torch.Tensor, *, pin: bool) -> torch.Tensor:
+def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A host buffer in a named shared-memory segment (``/dev/shm``), page-locked for CUDA sources."""
-    nbytes = source.numel() * source.element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
-        return torch.empty(source.shape, dtype=source.dtype)
+        return torch.empty(shape, dtype=dtype)
     try:
         segment = SharedMemory(create=True, size=nbytes)
     except OSError as exc:
@@ -185,7 +210,7 @@ def _shared_buffer(source: torch.Tensor, *, pin: bool) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
-    buffer = flat.view(source.dtype).view(source.shape)
+    buffer = flat.view(dtype).view(tuple(shape))
     SEGMENTS[buffer.data_ptr()] = segment.name
     _SEGMENT_OBJECTS[buffer.data_ptr()] = segment
     if pin and buffer.numel():
@@ -202,6 +227,11 @@ def _release(buffer: torch.Tensor) -> None:
     if segment is not None:
         with contextlib.suppress(FileNotFoundError):
             segment.unlink()
+
+
+def _check_device(key: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot stage {key!r} from device {tensor.device}: move it to CPU or CUDA")
 
 
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -30,10 +30,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
+from resilience import packing
 from resilience.errors import CheckpointError, describe
-from resilience.layout import DCP_METADATA, MANIFEST, STATE_FILE, rank_prefix, rank_state_file
+from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, rank_prefix, rank_state_file
 from resilience.loader import MetadataUnpickler
 from resilience.manifest import FileEntry, Manifest, hash_stream
+from resilience.packing import PackLayout
 from resilience.pipeline import PiecePlanner, RecordingWriter, versions
 from resilience.staging import HostStager
 from resilience.storage import fsync_dir
@@ -103,9 +105,23 @@ def missing_chunks(metadata: Metadata) -> list[str]:
     return missing
 
 
+def missing_entries(metadata: Metadata, needed: list[str]) -> list[str]:
+    """What keeps ``metadata`` from holding the whole state: tensors with missing chunks, and ``needed`` DCP keys
+    (plain tensors, packs) that no survivor wrote, such as a DTensor held only on the lost part of its mesh."""
+    return missing_chunks(metadata) + [key for key in needed if key not in metadata.state_dict_metadata]
+
+
 def only_held_by(tensors: dict[str, torch.Tensor], ranks: set[int]) -> list[str]:
     """This rank's DTensor chunks that no rank outside ``ranks`` also holds (no replica to write them)."""
     return [k for k, t in tensors.items() if isinstance(t, DTensor) and set(holders(t)) <= ranks and holders(t)]
+
+
+@dataclass
+class _Share:
+    """What a survivor's write was planned from: the pack layout, and the DCP keys the shared state needs."""
+
+    layout: PackLayout
+    needed: list[str]
 
 
 class _SoloWriter(RecordingWriter):
@@ -183,10 +199,10 @@ def survivor_save(
             outcome.reason = plan["reason"]
             return _done(outcome, start)
         theirs = lost if rank == coordinator else set()
-        entries = _write_share(manager, step, shared, rank_state, survivors, theirs, liveness)
-        board.post(f"files-{rank}", [entry.__dict__ for entry in entries])
+        entries, share = _write_share(manager, step, shared, rank_state, survivors, theirs, liveness)
+        board.post(f"files-{rank}", {"files": [entry.__dict__ for entry in entries], "packs": share.layout.digest})
         if rank == coordinator:
-            board.post("done", _commit(manager, board, step, shared, survivors, lost))
+            board.post("done", _commit(manager, board, step, shared, survivors, lost, share))
         done = board.wait("done")
         outcome.committed, outcome.reason = bool(done["committed"]), done.get("reason")
     except Exception as exc:
@@ -230,12 +246,18 @@ def _write_share(
     survivors: list[int],
     lost: set[int],
     liveness: Liveness,
-) -> list[FileEntry]:
-    """This survivor's files (and, for the coordinator, the lost ranks' own state); returns them, hashed."""
+) -> tuple[list[FileEntry], _Share]:
+    """This survivor's files (and, for the coordinator, the lost ranks' own state and the pack layout); returns them,
+    hashed, and what the coordinator checks the merged metadata against."""
     rank = manager.rank
     step_dir = manager.local.step_path(step)
     flat = flatten(shared.state)
-    tensors = share_among(flat.tensors, rank, survivors)
+    config = manager.config
+    layout = packing.plan(flat.tensors, below_bytes=config.pack_tensor_bytes, pack_bytes=config.pack_bytes)
+    tensors = share_among(layout.units(flat.tensors), rank, survivors)
+    packs = layout.shares(flat.tensors, [key for key in tensors if key in layout.sizes])
+    tensors = {key: t for key, t in tensors.items() if key not in packs}
+    needed = [key for key in flat.tensors if key not in layout.slots] + list(layout.sizes)
     own = flatten(rank_state, prefix=rank_prefix(rank)) if rank_state is not None else None
     skeletons: dict[str, Any] = {}
     if own is not None:
@@ -252,7 +274,7 @@ def _write_share(
             else:
                 log.warning("rank %d left no state of step %d: its RNG and data position start afresh", other, step)
     stager = HostStager(pin_memory=False)
-    staged = stager.stage(tensors).wait()  # a copy off the device; the training thread is stopped anyway
+    staged = stager.stage(tensors, packs=packs).wait()  # a copy off the device; the training thread is stopped
     os.makedirs(step_dir, exist_ok=True)
     writer = _SoloWriter(step_dir, rank, sync_files=manager.config.fsync)
     with warnings.catch_warnings():
@@ -264,31 +286,48 @@ def _write_share(
         with open(os.path.join(step_dir, name), "w") as stream:
             json.dump(skeleton, stream, allow_nan=False, separators=(",", ":"))
         names.append((name, "state"))
+    if rank == survivors[0] and layout:
+        with open(os.path.join(step_dir, PACKS_FILE), "wb") as out:
+            out.write(layout.encoded)
+        names.append((PACKS_FILE, "packs"))
     entries = []
     for name, kind in names:
         with open(os.path.join(step_dir, name), "rb") as stream:
             digest, size = hash_stream(stream)
         entries.append(FileEntry(name, size, digest, rank, kind))
-    return entries
+    return entries, _Share(layout, needed)
 
 
 def _commit(
-    manager: CheckpointManager, board: _Board, step: int, shared: SaveState, survivors: list[int], lost: set[int]
+    manager: CheckpointManager,
+    board: _Board,
+    step: int,
+    shared: SaveState,
+    survivors: list[int],
+    lost: set[int],
+    share: _Share,
 ) -> dict[str, Any]:
     """The coordinator: one DCP metadata from the survivors' own, every tensor whole, then the manifest."""
     posts = board.wait_all("files", survivors)
     step_dir = manager.local.step_path(step)
-    entries = [FileEntry(**item) for rank in survivors for item in posts[rank]]
+    if any(posts[rank]["packs"] != share.layout.digest for rank in survivors):
+        manager.local.remove_dir(step_dir)
+        return {
+            "committed": False,
+            "reason": "the survivors' shared states differ in their plain tensors, so their packs would not match",
+        }
+    entries = [FileEntry(**item) for rank in survivors for item in posts[rank]["files"]]
     parts = [e for e in entries if e.kind == "dcp-metadata"]
     merged = _merge([_read_metadata(os.path.join(step_dir, part.path)) for part in parts])
-    missing = missing_chunks(merged)
+    missing = missing_entries(merged, share.needed)
     if missing:
         manager.local.remove_dir(step_dir)
         return {
             "committed": False,
             "reason": (
                 f"{len(missing)} tensor(s), e.g. {missing[0]!r}, had parts only the lost rank(s) {sorted(lost)} held "
-                "(sharded state with no replica): nothing saved, the resume uses the last commit"
+                "(sharded state with no replica), or no survivor wrote them: nothing saved, the resume uses the last "
+                "commit"
             ),
         }
     with open(os.path.join(step_dir, DCP_METADATA), "wb") as stream:

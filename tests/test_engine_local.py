@@ -44,7 +44,7 @@ def test_save_commit_load_roundtrip(tmp_path: Path) -> None:
         assert handle is not None and handle.committed.result(30).step == 5
     manifest = json.loads((tmp_path / "step-5" / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["world_size"] == 1
-    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state"}
+    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state", "packs"}  # w, b: packed
     for entry in manifest["files"]:
         assert (tmp_path / "step-5" / entry["path"]).stat().st_size == entry["size"]
     with manager(tmp_path) as m:
@@ -107,6 +107,19 @@ def test_host_buffers_are_reused_across_saves(tmp_path: Path) -> None:
             m.save(step, make_state(step))
             m.wait()
         assert {k: v.data_ptr() for k, v in m._stager._buffers.items()} == buffers
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_buffer_made_anew_for_another_shape_reaches_the_helper(tmp_path: Path, packed: bool) -> None:
+    """The new buffer may be mapped where the old one was: the helper must be told by segment, not address."""
+    numel = 1000 if packed else 300_000  # packed: the pack's size changes with it
+    with manager(tmp_path, keep_last=3, persist="process") as m:
+        for step, extra in ((1, 0), (2, 64), (3, 0)):
+            m.save(step, {"w": torch.arange(float(numel + extra))})
+            m.wait()
+        for step, extra in ((1, 0), (2, 64), (3, 0)):
+            restored = m.load(step=step)
+            assert restored is not None and torch.equal(restored.state["w"], torch.arange(float(numel + extra)))
 
 
 def test_async_staging_saves_the_values_at_save_time(tmp_path: Path) -> None:
