@@ -13,6 +13,7 @@ peer died, a timeout) marks the channel broken: later calls fail at once instead
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import warnings
@@ -39,6 +40,8 @@ def is_distributed() -> bool:
 
 @dataclass
 class Topology:
+    """Which ranks share a local disk: ``hosts[r]`` is rank r's :func:`node_identity` of the local root."""
+
     rank: int
     world_size: int
     hosts: list[str]
@@ -53,6 +56,28 @@ class Topology:
     @property
     def single_host(self) -> bool:
         return len(set(self.hosts)) == 1
+
+
+def node_identity(local_root: str) -> str:
+    """What ranks that write into the same local root directory have in common, and no other rank has.
+
+    The machine (its kernel's boot id, else its hostname) and the directory's device and inode: ranks on one
+    machine that were given different roots (containers with volumes of their own, which may share the host's
+    name; two agents started on one host) are separate nodes, and ranks that reach one directory under different
+    paths, or from containers with different hostnames on one machine, are one. A hostname alone gets both wrong.
+    Makes the root, which must exist to be identified.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            machine = handle.read().strip()
+    except OSError:  # not Linux
+        machine = socket.gethostname()
+    try:
+        os.makedirs(local_root, exist_ok=True)
+        info = os.stat(local_root)
+    except OSError:  # an unusable root: the set-up check that follows says why, with the fix
+        return f"{machine}:{local_root}"
+    return f"{machine}:{info.st_dev}:{info.st_ino}"
 
 
 def share_of_replicated(tensors: Mapping[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -210,9 +235,14 @@ def _revive(outcome: _Outcome, rank: int) -> Exception:
 
 
 class Groups:
-    """The checkpoint channels; creating them is collective, so every rank must construct this."""
+    """The checkpoint channels; creating them is collective, so every rank must construct this.
 
-    def __init__(self, timeout_s: float):
+    Args:
+        timeout_s: Timeout of every checkpoint collective.
+        node: This rank's :func:`node_identity`; ranks with equal ones form a node of the topology.
+    """
+
+    def __init__(self, timeout_s: float, node: str):
         names = ("checkpoint control", "checkpoint writer", "checkpoint upload")
         if is_distributed():
             timeout = timedelta(seconds=timeout_s)
@@ -222,4 +252,4 @@ class Groups:
             groups = [None] * len(names)
             self.topology = Topology(0, 1, [])
         self.control, self.writer, self.upload = (Channel(g, n) for g, n in zip(groups, names, strict=True))
-        self.topology.hosts = self.control.all_gather(socket.gethostname())
+        self.topology.hosts = self.control.all_gather(node)

@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog
 from resilience.config import CheckpointConfig, WhenBusy
-from resilience.dist import Groups, share_of_replicated
+from resilience.dist import Groups, node_identity, share_of_replicated
 from resilience.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -99,7 +99,7 @@ class CheckpointManager:
         self.config = config
         self.local = LocalTier(config.local_root)
         self.durable = DurableTier(config.durable_url, config.storage_options) if config.durable_url else None
-        self.groups = Groups(config.collective_timeout_s)
+        self.groups = Groups(config.collective_timeout_s, node_identity(self.local.root))
         self.topology = self.groups.topology
         self.rank = self.topology.rank
         self.world_size = self.topology.world_size
