@@ -591,7 +591,7 @@ class CheckpointManager:
 
     def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
         """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
-        full = self.config.verify in ("full", "auto")
+        full = self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
         try:
             self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share))
         except CorruptCheckpointError as exc:

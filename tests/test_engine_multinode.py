@@ -5,9 +5,18 @@ machines would be; a durable load reads what a node's own disk still holds there
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+
+from resilience import CheckpointConfig, CheckpointManager
 from resilience.dist import Topology, node_identity
+from resilience.storage import Tier
+from tests.helpers import recording_open
+from tests.workers.engine_worker import check_restored, state_for
 
 # ---- single-process pieces (unit) ----------------------------------------------------------------------------
 
@@ -24,3 +33,38 @@ def test_node_identity_follows_the_local_root_directory_not_the_hostname(tmp_pat
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     assert node_identity(str(blocker / "root")) != ids[0]  # unusable: the set-up check then says why
+
+
+def saved_in_both_tiers(tmp_path: Path) -> tuple[Path, str]:
+    """Step 1 committed locally and durably by one process; the local root and the durable URL."""
+    local, durable = tmp_path / "local", f"file://{tmp_path / 'durable'}"
+    with CheckpointManager(CheckpointConfig(local, durable_url=durable)) as saver:
+        saver.save(1, state_for(1, None), {"rank": torch.tensor([1])})
+        saver.wait(durable=True)
+    return local, durable
+
+
+def load_recording_reads(
+    local: Path, durable: str, monkeypatch: pytest.MonkeyPatch, **settings: Any
+) -> list[tuple[str, str]]:
+    """Load (the durable copy, as the local one is not loadable), check it bit-exact; the shard files opened."""
+    reads: list[tuple[str, str]] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(Tier, "open", recording_open(reads, Tier.open))
+        with CheckpointManager(CheckpointConfig(local, durable_url=durable, **settings)) as loader:
+            target = state_for(0, None)
+            restored = loader.load(target)
+    assert restored is not None and restored.tier == "durable"
+    check_restored(restored, target, 1, 0, None)
+    return reads
+
+
+def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify="auto" (the default) hashes shards only in the local tier: in the durable one that would download
+    every shard twice. A fresh node (empty local disk) reads the durable shard once, or twice with "full"."""
+    local, durable = saved_in_both_tiers(tmp_path)
+    shutil.rmtree(local)
+    assert load_recording_reads(local, durable, monkeypatch) == [("durable", "__0_0.distcp")]
+    assert load_recording_reads(local, durable, monkeypatch, verify="full") == [("durable", "__0_0.distcp")] * 2
