@@ -564,7 +564,9 @@ class CheckpointManager:
             box["plan"] = plan_load(entry, target, rank=self.rank, want_rank_state=rank_state)
 
         def read() -> None:
-            box["restored"] = run_load(entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle)
+            box["restored"] = run_load(
+                entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle, local=self.local
+            )
 
         self.groups.control.agree(plan)
         self.groups.control.agree(read)

@@ -59,6 +59,22 @@ def load_recording_reads(
     return reads
 
 
+def test_a_durable_load_reads_the_shards_the_local_disk_holds_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's disk holds its files of a checkpoint the durable tier commits (here the local manifest is gone:
+    no node-local one is loadable): the durable copy is loaded, with the shards read from the local disk where
+    the bytes match, and from the durable tier where they do not (another attempt at the same step)."""
+    local, durable = saved_in_both_tiers(tmp_path)
+    (local / "step-1" / "manifest.json").unlink()
+    assert load_recording_reads(local, durable, monkeypatch) == [("local", "__0_0.distcp")] * 2  # checked, read
+    shard = local / "step-1" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert load_recording_reads(local, durable, monkeypatch) == [("local", "__0_0.distcp"), ("durable", "__0_0.distcp")]
+
+
 def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
