@@ -134,6 +134,21 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def kill_job(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a launcher and every worker: torchelastic starts each worker in a session of its own."""
+    import psutil
+
+    try:
+        family = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    kill_tree(proc)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 class MotoServer:
     """moto's S3 server as its own process on 127.0.0.1, so a test can also kill it mid-upload."""
 

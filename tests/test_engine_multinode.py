@@ -1,11 +1,21 @@
-"""Several nodes: the engine tells them apart by the local root each rank writes to
-(:func:`resilience.dist.node_identity`), so two agents on one host with roots of their own are two nodes, as two
-machines would be; a durable load reads what a node's own disk still holds there.
+"""Two nodes on one host: two real torchrun agents (``--nnodes 2``, c10d rendezvous), each node with a local
+root of its own (``local_shared=False``) and one shared ``file://`` durable URL.
+
+The engine tells nodes apart by the local root each rank writes to (:func:`resilience.dist.node_identity`),
+so two agents on one host with their own roots are two nodes, as two machines would be.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +24,17 @@ import torch
 
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.dist import Topology, node_identity
+from resilience.manifest import FileEntry, Manifest, hash_bytes
 from resilience.storage import Tier
-from tests.helpers import recording_open
+from tests.helpers import WORKERS, base_env, free_port, kill_job, recording_open
 from tests.workers.engine_worker import check_restored, state_for
+
+WORKER = WORKERS / "multinode_worker.py"
+JOB_TIMEOUT_S = 150
+STEP = 5
+
+pytestmark = pytest.mark.timeout(400)
+
 
 # ---- single-process pieces (unit) ----------------------------------------------------------------------------
 
@@ -84,3 +102,212 @@ def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
     shutil.rmtree(local)
     assert load_recording_reads(local, durable, monkeypatch) == [("durable", "__0_0.distcp")]
     assert load_recording_reads(local, durable, monkeypatch, verify="full") == [("durable", "__0_0.distcp")] * 2
+
+
+# ---- two-node jobs -----------------------------------------------------------------------------------------
+
+
+class Job:
+    """Torchrun agents on this host, one per node, each node with the local root given at its start."""
+
+    def __init__(self, tmp: Path, nproc: int, env: dict[str, str]) -> None:
+        self.tmp = tmp
+        self.nproc = nproc
+        self.durable = tmp / "durable"
+        self.reports = tmp / "reports"
+        self.reports.mkdir()
+        self.port = free_port()
+        self.env = base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env})
+        self.agents: list[subprocess.Popen[str]] = []
+
+    def start(self, root: Path, *, host: bool) -> subprocess.Popen[str]:
+        """Start a node's agent; the rendezvous host (node a's agent) must outlive the others."""
+        log = self.tmp / f"agent-{len(self.agents)}-{root.name}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            str(self.nproc),
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            f"127.0.0.1:{self.port}",
+            "--rdzv_id",
+            "multinode-test",
+            "--rdzv_conf",
+            # a lost node leaves the rendezvous 8 s after its last heartbeat (default 15 s); live ones beat every 1-2 s
+            f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=8",
+            "--max_restarts",
+            "1",
+            str(WORKER),
+            str(root),
+            f"file://{self.durable}",
+            str(self.reports),
+        ]
+        with log.open("w") as out:
+            agent = subprocess.Popen(
+                command, env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            )
+        self.agents.append(agent)
+        return agent
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}:\n{p.read_text()[-5000:]}" for p in sorted(self.tmp.glob("agent-*.log")))
+
+    def wait(self, agents: list[subprocess.Popen[str]]) -> None:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        for agent in agents:
+            try:
+                agent.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the job did not finish within {JOB_TIMEOUT_S}s\n{self.logs()}")
+        if any(agent.returncode != 0 for agent in agents):
+            pytest.fail(f"agents exited {[a.returncode for a in agents]}\n{self.logs()}")
+
+    def wait_for_reports(self, count: int) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while len(found := self.read_reports()) < count:
+            if time.monotonic() > deadline or any(agent.poll() is not None for agent in self.agents):
+                pytest.fail(f"{len(found)} of {count} ranks reported\n{self.logs()}")
+            time.sleep(0.2)
+        return found
+
+    def read_reports(self) -> list[dict[str, Any]]:
+        return sorted((json.loads(p.read_text()) for p in self.reports.glob("*.json")), key=lambda r: r["rank"])
+
+
+@contextlib.contextmanager
+def job(tmp: Path, nproc: int, env: dict[str, str]) -> Iterator[Job]:
+    running = Job(tmp, nproc, env)
+    try:
+        yield running
+    finally:
+        for agent in running.agents:
+            kill_job(agent)
+
+
+def manifest_at(step_dir: Path) -> Manifest:
+    return Manifest.from_json((step_dir / "manifest.json").read_bytes(), where=str(step_dir), expected_step=None)
+
+
+def by_root(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    nodes: dict[str, list[dict[str, Any]]] = {}
+    for report in reports:
+        nodes.setdefault(report["root"], []).append(report)
+    return nodes
+
+
+def plant_leftover(root: Path, step: int, pid: int) -> None:
+    """A save's leftover: a step directory without a manifest whose ``.writer.json`` names ``pid`` here."""
+    step_dir = root / f"step-{step}"
+    step_dir.mkdir(parents=True)
+    (step_dir / "__0_0.distcp").write_bytes(b"partial")
+    (step_dir / ".writer.json").write_text(json.dumps({"host": socket.gethostname(), "pid": pid, "start_ticks": None}))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """2 nodes x 2 ranks save step 5, then step 6, whose uploads fail on node b. Each root starts with two
+    leftovers: one of a dead writer (step 99), one of a live one (98, named after this process)."""
+    tmp = tmp_path_factory.mktemp("two-by-two")
+    roots = [tmp / "node-a", tmp / "node-b"]
+    for root in roots:
+        plant_leftover(root, 99, dead_pid())
+        plant_leftover(root, 98, os.getpid())
+    env = {"TEST_STEPS": f"{STEP},{STEP + 1}", "TEST_FAIL_UPLOAD_ROOT": str(roots[1])}
+    with job(tmp, 2, {**env, "TEST_FAIL_UPLOAD_STEP": str(STEP + 1)}) as running:
+        running.wait([running.start(roots[0], host=True), running.start(roots[1], host=False)])
+        reports = running.read_reports()
+    assert len(reports) == 4, reports
+    return {"roots": roots, "durable": running.durable, "nodes": by_root(reports)}
+
+
+def test_a_save_commits_locally_on_each_node_and_durably_once(two_by_two: dict[str, Any]) -> None:
+    """Each node's leader (its lowest rank) commits a manifest of its own ranks' files only; one durable
+    manifest lists every rank's files, each with the bytes of its writer's node (so uploaded from there: no
+    other node has the file). Start-up clears each node's dead leftovers and leaves a live writer's alone;
+    each node's owner record is gone once the job closes."""
+    roots, nodes, durable_root = two_by_two["roots"], two_by_two["nodes"], two_by_two["durable"]
+    assert sorted(nodes) == sorted(map(str, roots))
+    durable = manifest_at(durable_root / f"step-{STEP}")
+    assert durable.is_global and durable.world_size == 4
+    listed: list[FileEntry] = []
+    for root in roots:
+        ranks = sorted(r["rank"] for r in nodes[str(root)])
+        assert all(str(STEP) not in r["errors"] for r in nodes[str(root)])
+        assert all(r["node_ranks"] == ranks for r in nodes[str(root)]), "the engine sees this node's ranks"
+        assert [r["rank"] for r in nodes[str(root)] if r["leader"]] == [min(ranks)]
+        local = manifest_at(root / f"step-{STEP}")
+        assert local.ranks == ranks and not local.is_global
+        assert {f.rank for f in local.files} == set(ranks) and {f.kind for f in local.files} >= {"shard", "state"}
+        for entry in local.files:
+            assert (root / f"step-{STEP}" / entry.path).stat().st_size == entry.size
+            assert hash_bytes((durable_root / f"step-{STEP}" / entry.path).read_bytes()) == entry.xxh3_64
+        assert [f.path for f in local.files] == [f.path for f in durable.files if f.rank in ranks]
+        listed += local.files
+        assert not (root / "step-99").exists(), "start-up clears this node's leftover of a dead writer"
+        assert (root / "step-98" / ".writer.json").exists(), "and leaves a live writer's alone"
+        assert not list((root / ".owners").glob("*.json")), "a closed job leaves no owner record"
+    assert sorted(listed, key=lambda f: f.path) == sorted(durable.files, key=lambda f: f.path)
+    assert len({f.path for f in listed}) == len(listed), "no file is in two nodes' local manifests"
+    assert not (durable_root / f"step-{STEP}" / ".writer.json").exists()
+
+
+def test_a_failed_upload_on_one_node_commits_nothing_durably_and_raises_on_both(two_by_two: dict[str, Any]) -> None:
+    """Node b cannot upload step 6 (permission denied on its files only): the durable manifest must not appear,
+    as it would name files node b never uploaded, every rank of both nodes gets the error, the local commits
+    stand, and step 5 stays the newest durable checkpoint."""
+    roots, nodes, durable_root = two_by_two["roots"], two_by_two["nodes"], two_by_two["durable"]
+    for report in (r for root in roots for r in nodes[str(root)]):
+        error = report["errors"][str(STEP + 1)]
+        assert "Uploading the checkpoint failed" in error and "injected on this node" in error, error
+    assert not (durable_root / f"step-{STEP + 1}" / "manifest.json").exists()
+    node_b_files = {f.path for f in manifest_at(roots[1] / f"step-{STEP + 1}").files}
+    assert not node_b_files & {p.name for p in (durable_root / f"step-{STEP + 1}").iterdir()}
+    for root in roots:
+        assert not manifest_at(root / f"step-{STEP + 1}").is_global
+    assert manifest_at(durable_root / f"step-{STEP}").is_global
+
+
+def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_the_durable_tier(tmp_path: Path) -> None:
+    """2 nodes x 1 rank. Node b (its agent and workers) is killed while the job trains on after a durable
+    commit; a replacement with an empty local root joins, torchrun restarts node a's workers (a whole-job
+    restart; node a keeps its disk), and every rank resumes bit-exact (checked in the worker): the new node
+    from the durable tier, node a reading its own files from its disk and only the others from the durable
+    tier. Both nodes then save the next step. Each node's root holds its own leader's owner record only."""
+    root_a, root_b, root_new = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-new"
+    with job(tmp_path, 1, {"TEST_STEPS": str(STEP), "TEST_PARK": "1"}) as running:
+        agent_a = running.start(root_a, host=True)
+        agent_b = running.start(root_b, host=False)
+        for report in running.wait_for_reports(2):
+            assert len(report["owners"]) == 1, report
+            assert report["owners"][0].startswith(f"{socket.gethostname()}.{report['pid']}."), report
+        kill_job(agent_b)  # the node is lost: its agent and its workers
+        assert agent_a.poll() is None, "node a's agent survives the loss of node b"
+        running.wait([agent_a, running.start(root_new, host=False)])
+        resumed = [r for r in running.read_reports() if r["restored"] is not None]
+    assert len(resumed) == 2 and all(r["restored"] == STEP and not r["errors"] for r in resumed), resumed
+    nodes = by_root(resumed)
+    assert sorted(nodes) == sorted(map(str, (root_a, root_new)))
+    [new] = nodes[str(root_new)]
+    [kept] = nodes[str(root_a)]
+    assert new["reads"] and {tier for tier, _ in new["reads"]} == {"durable"}, new["reads"]
+    own = {f.path for f in manifest_at(root_a / f"step-{STEP}").files}
+    from_local = {name for tier, name in kept["reads"] if tier == "local"}
+    assert from_local and from_local <= own, kept["reads"]
+    assert {name for tier, name in kept["reads"] if tier == "durable"}.isdisjoint(own), kept["reads"]
+    # the killed leader's record on node a was cleared as dead; only the running leader's was left
+    assert len(kept["owners"]) == 1 and kept["owners"][0].startswith(f"{socket.gethostname()}.{kept['pid']}.")
+    assert manifest_at(running.durable / f"step-{STEP + 1}").is_global
+    for root, steps in ((root_a, [STEP, STEP + 1]), (root_new, [STEP + 1])):
+        assert sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json")) == steps
+        assert not manifest_at(root / f"step-{STEP + 1}").is_global
