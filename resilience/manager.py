@@ -143,22 +143,27 @@ class CheckpointManager:
     # ---- start-up ----------------------------------------------------------------------------------------------
 
     def _startup_checks(self) -> set[int]:
-        """Prove both tiers usable (at set-up, not at step N) and learn which steps exist."""
+        """Prove both tiers usable (at set-up, not at step N) and learn which steps exist, on every node's disk.
 
-        def check_local() -> None:
-            if self.is_local_leader:
-                self.local.check_writable()
+        A step that only another node's disk holds (its upload never finished, or rank 0's node was replaced)
+        still must not be saved over, and a resume from an older step sets it aside like any newer one.
+        """
 
-        self.groups.control.agree(check_local)
+        def check_local() -> set[int]:
+            if not self.is_local_leader:
+                return set()
+            self.local.check_writable()
+            return {e.step for e in catalog.scan(self.local) if e.committed}
 
-        def scan() -> set[int]:
-            known: set[int] = set()
-            if self.durable is not None:
-                self.durable.check_writable()
-                known |= {e.step for e in catalog.scan(self.durable) if e.committed}
-            return known | {e.step for e in catalog.scan(self.local) if e.committed}
+        on_disks = self.groups.control.agree(check_local)
 
-        return set(self.groups.control.decide(scan))
+        def scan_durable() -> set[int]:
+            if self.durable is None:
+                return set()
+            self.durable.check_writable()
+            return {e.step for e in catalog.scan(self.durable) if e.committed}
+
+        return set(self.groups.control.decide(scan_durable)).union(*on_disks)
 
     def claim(self, *, resumed_from: int | None = None, run_id: str | None = None) -> str:
         """Begin training on the local root: call when a run (re)starts, before its first save; collective.

@@ -108,11 +108,16 @@ def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
 
 
 class Job:
-    """Torchrun agents on this host, one per node, each node with the local root given at its start."""
+    """Torchrun agents on this host, one per node, each node with the local root given at its start.
 
-    def __init__(self, tmp: Path, nproc: int, env: dict[str, str]) -> None:
+    The c10d rendezvous restarts a surviving node's workers when a replacement node joins, as on a cluster;
+    the static one (``static``) gives each node the rank it is started with, as ``srun torchrun --node_rank``.
+    """
+
+    def __init__(self, tmp: Path, nproc: int, env: dict[str, str], *, static: bool = False) -> None:
         self.tmp = tmp
         self.nproc = nproc
+        self.static = static
         self.durable = tmp / "durable"
         self.reports = tmp / "reports"
         self.reports.mkdir()
@@ -120,9 +125,24 @@ class Job:
         self.env = base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env})
         self.agents: list[subprocess.Popen[str]] = []
 
-    def start(self, root: Path, *, host: bool) -> subprocess.Popen[str]:
-        """Start a node's agent; the rendezvous host (node a's agent) must outlive the others."""
+    def start(self, root: Path, node: int) -> subprocess.Popen[str]:
+        """Start node ``node``'s agent; with c10d, node 0's agent hosts the rendezvous and must outlive the others."""
         log = self.tmp / f"agent-{len(self.agents)}-{root.name}.log"
+        if self.static:
+            rendezvous = ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(self.port)]
+        else:
+            rendezvous = [
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{self.port}",
+                "--rdzv_id",
+                "multinode-test",
+                "--rdzv_conf",
+                # a lost node leaves the rendezvous 8 s after its last heartbeat (default 15 s); live ones beat
+                # every 1-2 s
+                f"is_host={int(node == 0)},keep_alive_interval=1,keep_alive_max_attempt=8",
+            ]
         command = [
             sys.executable,
             "-m",
@@ -131,15 +151,7 @@ class Job:
             "2",
             "--nproc_per_node",
             str(self.nproc),
-            "--rdzv_backend",
-            "c10d",
-            "--rdzv_endpoint",
-            f"127.0.0.1:{self.port}",
-            "--rdzv_id",
-            "multinode-test",
-            "--rdzv_conf",
-            # a lost node leaves the rendezvous 8 s after its last heartbeat (default 15 s); live ones beat every 1-2 s
-            f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=8",
+            *rendezvous,
             "--max_restarts",
             "1",
             str(WORKER),
@@ -180,8 +192,8 @@ class Job:
 
 
 @contextlib.contextmanager
-def job(tmp: Path, nproc: int, env: dict[str, str]) -> Iterator[Job]:
-    running = Job(tmp, nproc, env)
+def job(tmp: Path, nproc: int, env: dict[str, str], *, static: bool = False) -> Iterator[Job]:
+    running = Job(tmp, nproc, env, static=static)
     try:
         yield running
     finally:
@@ -198,6 +210,14 @@ def by_root(reports: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     for report in reports:
         nodes.setdefault(report["root"], []).append(report)
     return nodes
+
+
+def assert_read_own_files_locally(report: dict[str, Any], on_disk: Manifest) -> None:
+    """The rank read some shards from its node's disk, only ones that disk holds, and none of those remotely."""
+    own = {f.path for f in on_disk.files}
+    local = {name for tier, name in report["reads"] if tier == "local"}
+    remote = {name for tier, name in report["reads"] if tier == "durable"}
+    assert local and local <= own and remote.isdisjoint(own), report["reads"]
 
 
 def plant_leftover(root: Path, step: int, pid: int) -> None:
@@ -225,7 +245,7 @@ def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         plant_leftover(root, 98, os.getpid())
     env = {"TEST_STEPS": f"{STEP},{STEP + 1}", "TEST_FAIL_UPLOAD_ROOT": str(roots[1])}
     with job(tmp, 2, {**env, "TEST_FAIL_UPLOAD_STEP": str(STEP + 1)}) as running:
-        running.wait([running.start(roots[0], host=True), running.start(roots[1], host=False)])
+        running.wait([running.start(roots[0], 0), running.start(roots[1], 1)])
         reports = running.read_reports()
     assert len(reports) == 4, reports
     return {"roots": roots, "durable": running.durable, "nodes": by_root(reports)}
@@ -272,7 +292,7 @@ def test_a_failed_upload_on_one_node_commits_nothing_durably_and_raises_on_both(
         assert "Uploading the checkpoint failed" in error and "injected on this node" in error, error
     assert not (durable_root / f"step-{STEP + 1}" / "manifest.json").exists()
     node_b_files = {f.path for f in manifest_at(roots[1] / f"step-{STEP + 1}").files}
-    assert not node_b_files & {p.name for p in (durable_root / f"step-{STEP + 1}").iterdir()}
+    assert not node_b_files & {p.name for p in (durable_root / f"step-{STEP + 1}").glob("*")}
     for root in roots:
         assert not manifest_at(root / f"step-{STEP + 1}").is_global
     assert manifest_at(durable_root / f"step-{STEP}").is_global
@@ -286,14 +306,14 @@ def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_the_durable_tier(t
     tier. Both nodes then save the next step. Each node's root holds its own leader's owner record only."""
     root_a, root_b, root_new = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-new"
     with job(tmp_path, 1, {"TEST_STEPS": str(STEP), "TEST_PARK": "1"}) as running:
-        agent_a = running.start(root_a, host=True)
-        agent_b = running.start(root_b, host=False)
+        agent_a = running.start(root_a, 0)
+        agent_b = running.start(root_b, 1)
         for report in running.wait_for_reports(2):
             assert len(report["owners"]) == 1, report
             assert report["owners"][0].startswith(f"{socket.gethostname()}.{report['pid']}."), report
         kill_job(agent_b)  # the node is lost: its agent and its workers
         assert agent_a.poll() is None, "node a's agent survives the loss of node b"
-        running.wait([agent_a, running.start(root_new, host=False)])
+        running.wait([agent_a, running.start(root_new, 1)])
         resumed = [r for r in running.read_reports() if r["restored"] is not None]
     assert len(resumed) == 2 and all(r["restored"] == STEP and not r["errors"] for r in resumed), resumed
     nodes = by_root(resumed)
@@ -301,13 +321,36 @@ def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_the_durable_tier(t
     [new] = nodes[str(root_new)]
     [kept] = nodes[str(root_a)]
     assert new["reads"] and {tier for tier, _ in new["reads"]} == {"durable"}, new["reads"]
-    own = {f.path for f in manifest_at(root_a / f"step-{STEP}").files}
-    from_local = {name for tier, name in kept["reads"] if tier == "local"}
-    assert from_local and from_local <= own, kept["reads"]
-    assert {name for tier, name in kept["reads"] if tier == "durable"}.isdisjoint(own), kept["reads"]
+    assert_read_own_files_locally(kept, manifest_at(root_a / f"step-{STEP}"))
     # the killed leader's record on node a was cleared as dead; only the running leader's was left
     assert len(kept["owners"]) == 1 and kept["owners"][0].startswith(f"{socket.gethostname()}.{kept['pid']}.")
     assert manifest_at(running.durable / f"step-{STEP + 1}").is_global
     for root, steps in ((root_a, [STEP, STEP + 1]), (root_new, [STEP + 1])):
         assert sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json")) == steps
         assert not manifest_at(root / f"step-{STEP + 1}").is_global
+
+
+def test_the_node_with_rank_0_replaced_while_another_disk_is_ahead_of_the_durable_tier(
+    two_by_two: dict[str, Any], tmp_path: Path
+) -> None:
+    """After the 2 x 2 job, node b's disk holds step 6, committed there but never durably (its upload failed).
+    Node a, which held ranks 0 and 1, is replaced by a node with an empty disk, and the whole job restarts on
+    2 x 1 ranks with the new node as node 0. Both ranks resume step 5 from the durable tier bit-exact (node b
+    reading the shards its disk holds there); node b's step 6 is of the abandoned branch and is set aside, so
+    the new step 6 commits on both nodes and durably (it used to fail there on every try: FileExistsError)."""
+    root_b, root_new = tmp_path / "node-b", tmp_path / "node-new"
+    shutil.copytree(two_by_two["roots"][1], root_b)
+    shutil.copytree(two_by_two["durable"], tmp_path / "durable")
+    with job(tmp_path, 1, {"TEST_STEPS": "-"}, static=True) as running:
+        running.wait([running.start(root_new, 0), running.start(root_b, 1)])
+        reports = running.read_reports()
+    assert len(reports) == 2 and all(r["restored"] == STEP and not r["errors"] for r in reports), reports
+    [new], [kept] = by_root(reports)[str(root_new)], by_root(reports)[str(root_b)]
+    assert new["rank"] == 0 and {tier for tier, _ in new["reads"]} == {"durable"}, new
+    assert_read_own_files_locally(kept, manifest_at(root_b / f"step-{STEP}"))
+    durable = manifest_at(running.durable / f"step-{STEP + 1}")
+    assert durable.is_global and durable.world_size == 2
+    for root, ranks in ((root_new, [0]), (root_b, [1])):
+        local = manifest_at(root / f"step-{STEP + 1}")
+        assert local.ranks == ranks and local.run_id == durable.run_id
+    assert [p.name.split("-")[1] for p in (root_b / "superseded").iterdir()] == [str(STEP + 1)]
