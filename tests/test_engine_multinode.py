@@ -1,8 +1,10 @@
-"""Two nodes on one host: two real torchrun agents (``--nnodes 2``, c10d rendezvous), each node with a local
-root of its own (``local_shared=False``) and one shared ``file://`` durable URL.
+"""Two nodes on one host: two real torchrun agents (``--nnodes 2``), each node with a local root of its own
+(``local_shared=False``) and one shared ``file://`` durable URL: commits per node and once for the job, a lost
+node replaced by one with an empty disk, rank 0's node replaced, an upload failing on one node.
 
 The engine tells nodes apart by the local root each rank writes to (:func:`resilience.dist.node_identity`),
-so two agents on one host with their own roots are two nodes, as two machines would be.
+so two agents on one host with their own roots are two nodes, as two machines would be. The single-process
+tests first check the pieces that rests on.
 """
 
 from __future__ import annotations
@@ -243,8 +245,12 @@ def two_by_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for root in roots:
         plant_leftover(root, 99, dead_pid())
         plant_leftover(root, 98, os.getpid())
-    env = {"TEST_STEPS": f"{STEP},{STEP + 1}", "TEST_FAIL_UPLOAD_ROOT": str(roots[1])}
-    with job(tmp, 2, {**env, "TEST_FAIL_UPLOAD_STEP": str(STEP + 1)}) as running:
+    env = {
+        "TEST_STEPS": f"{STEP},{STEP + 1}",
+        "TEST_FAIL_UPLOAD_ROOT": str(roots[1]),
+        "TEST_FAIL_UPLOAD_STEP": str(STEP + 1),
+    }
+    with job(tmp, 2, env) as running:
         running.wait([running.start(roots[0], 0), running.start(roots[1], 1)])
         reports = running.read_reports()
     assert len(reports) == 4, reports
@@ -341,7 +347,7 @@ def test_the_node_with_rank_0_replaced_while_another_disk_is_ahead_of_the_durabl
     root_b, root_new = tmp_path / "node-b", tmp_path / "node-new"
     shutil.copytree(two_by_two["roots"][1], root_b)
     shutil.copytree(two_by_two["durable"], tmp_path / "durable")
-    with job(tmp_path, 1, {"TEST_STEPS": "-"}, static=True) as running:
+    with job(tmp_path, 1, {}, static=True) as running:  # no TEST_STEPS: this run must resume
         running.wait([running.start(root_new, 0), running.start(root_b, 1)])
         reports = running.read_reports()
     assert len(reports) == 2 and all(r["restored"] == STEP and not r["errors"] for r in reports), reports

@@ -32,6 +32,7 @@ from tests.workers.engine_worker import check_restored, config, state_for
 
 
 def fail_uploads(step: int) -> None:
+    """This node's uploads of ``step`` are refused, as by a bucket policy (a permission error is not retried)."""
     original = DurableTier.put_file
 
     def refuse(self: DurableTier, local_path: str, path: str, callback: Any = None) -> None:
