@@ -40,22 +40,24 @@ def is_distributed() -> bool:
 
 @dataclass
 class Topology:
-    """Which ranks share a local disk: ``hosts[r]`` is rank r's :func:`node_identity` of the local root."""
+    """Where the ranks run: ``hosts[r]`` is rank r's hostname; ``nodes[r]`` its :func:`node_identity`, which
+    ranks that write to one local root directory share (a node, in the sense of node-local disks)."""
 
     rank: int
     world_size: int
     hosts: list[str]
+    nodes: list[str]
 
     @property
     def host(self) -> str:
         return self.hosts[self.rank]
 
-    def ranks_on_my_host(self) -> list[int]:
-        return [r for r, h in enumerate(self.hosts) if h == self.host]
+    def ranks_on_my_node(self) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == self.nodes[self.rank]]
 
     @property
-    def single_host(self) -> bool:
-        return len(set(self.hosts)) == 1
+    def single_node(self) -> bool:
+        return len(set(self.nodes)) == 1
 
 
 def node_identity(local_root: str) -> str:
@@ -247,9 +249,11 @@ class Groups:
         if is_distributed():
             timeout = timedelta(seconds=timeout_s)
             groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in names]
-            self.topology = Topology(dist.get_rank(), dist.get_world_size(), [])
+            self.topology = Topology(dist.get_rank(), dist.get_world_size(), [], [])
         else:
             groups = [None] * len(names)
-            self.topology = Topology(0, 1, [])
+            self.topology = Topology(0, 1, [], [])
         self.control, self.writer, self.upload = (Channel(g, n) for g, n in zip(groups, names, strict=True))
-        self.topology.hosts = self.control.all_gather(node)
+        gathered = self.control.all_gather((socket.gethostname(), node))
+        self.topology.hosts = [host for host, _ in gathered]
+        self.topology.nodes = [identity for _, identity in gathered]

@@ -103,9 +103,9 @@ class CheckpointManager:
         self.topology = self.groups.topology
         self.rank = self.topology.rank
         self.world_size = self.topology.world_size
-        self.local_shared = config.local_shared if config.local_shared is not None else self.topology.single_host
+        self.local_shared = config.local_shared if config.local_shared is not None else self.topology.single_node
         self.is_local_leader = (
-            self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_host())
+            self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_node())
         )
         self.events = Events(self.rank, listeners)
         self.stats = SaveStats()

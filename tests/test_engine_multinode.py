@@ -48,8 +48,8 @@ def test_node_identity_follows_the_local_root_directory_not_the_hostname(tmp_pat
     ids = [node_identity(str(p)) for p in (a, b, tmp_path / "alias", a)]
     assert b.is_dir(), "the root is made, so it can be identified"
     assert ids[0] == ids[2] == ids[3] and ids[0] != ids[1]
-    topology = Topology(rank=2, world_size=4, hosts=[ids[0], ids[0], ids[1], ids[1]])
-    assert topology.ranks_on_my_host() == [2, 3] and not topology.single_host
+    topology = Topology(rank=2, world_size=4, hosts=["host"] * 4, nodes=[ids[0], ids[0], ids[1], ids[1]])
+    assert topology.ranks_on_my_node() == [2, 3] and not topology.single_node
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     assert node_identity(str(blocker / "root")) != ids[0]  # unusable: the set-up check then says why

@@ -52,7 +52,7 @@ def main() -> None:
     Tier.open = recording_open(reads, Tier.open)  # type: ignore[method-assign]
     report: dict[str, Any] = {"rank": rank, "root": root, "pid": os.getpid(), "restored": None, "errors": {}}
     manager = CheckpointManager(config([root, durable], local_shared=False, collective_timeout_s=60))
-    report.update(leader=manager.is_local_leader, node_ranks=manager.topology.ranks_on_my_host())
+    report.update(leader=manager.is_local_leader, node_ranks=manager.topology.ranks_on_my_node())
     target = state_for(0, mesh)  # the right structure with the wrong values: a load must overwrite them all
     restored = manager.load(target)
     if restored is not None:
