@@ -59,7 +59,8 @@ class CheckpointConfig:
         allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from
             storage runs code when loaded.
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
-        local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one host).
+        local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
+            directory; ranks that write to different directories are different nodes, whatever their hostnames).
         persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):
             ``"process"``, a helper process per rank reading the staged state from shared memory, so none of it
             competes with the training thread for the interpreter lock; or ``"thread"``, threads of the

@@ -13,6 +13,7 @@ peer died, a timeout) marks the channel broken: later calls fail at once instead
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import warnings
@@ -38,20 +39,46 @@ def is_distributed() -> bool:
 
 @dataclass
 class Topology:
+    """Where the ranks run: ``hosts[r]`` is rank r's hostname; ``nodes[r]`` its :func:`node_identity`, which
+    ranks that write to one local root directory share (a node, in the sense of node-local disks)."""
+
     rank: int
     world_size: int
     hosts: list[str]
+    nodes: list[str]
 
     @property
     def host(self) -> str:
         return self.hosts[self.rank]
 
-    def ranks_on_my_host(self) -> list[int]:
-        return [r for r, h in enumerate(self.hosts) if h == self.host]
+    def ranks_on_my_node(self) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == self.nodes[self.rank]]
 
     @property
-    def single_host(self) -> bool:
-        return len(set(self.hosts)) == 1
+    def single_node(self) -> bool:
+        return len(set(self.nodes)) == 1
+
+
+def node_identity(local_root: str) -> str:
+    """What ranks that write into the same local root directory have in common, and no other rank has.
+
+    The machine (its kernel's boot id, else its hostname) and the directory's device and inode: ranks on one
+    machine that were given different roots (containers with volumes of their own, which may share the host's
+    name; two agents started on one host) are separate nodes, and ranks that reach one directory under different
+    paths, or from containers with different hostnames on one machine, are one. A hostname alone gets both wrong.
+    Makes the root, which must exist to be identified.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            machine = handle.read().strip()
+    except OSError:  # not Linux
+        machine = socket.gethostname()
+    try:
+        os.makedirs(local_root, exist_ok=True)
+        info = os.stat(local_root)
+    except OSError:  # an unusable root: the set-up check that follows says why, with the fix
+        return f"{machine}:{local_root}"
+    return f"{machine}:{info.st_dev}:{info.st_ino}"
 
 
 @dataclass(frozen=True)
@@ -186,16 +213,23 @@ def _revive(outcome: _Outcome, rank: int) -> Exception:
 
 
 class Groups:
-    """The checkpoint channels; creating them is collective, so every rank must construct this."""
+    """The checkpoint channels; creating them is collective, so every rank must construct this.
 
-    def __init__(self, timeout_s: float):
+    Args:
+        timeout_s: Timeout of every checkpoint collective.
+        node: This rank's :func:`node_identity`; ranks with equal ones form a node of the topology.
+    """
+
+    def __init__(self, timeout_s: float, node: str):
         names = ("checkpoint control", "checkpoint writer", "checkpoint upload")
         if is_distributed():
             timeout = timedelta(seconds=timeout_s)
             groups = [dist.new_group(backend="gloo", timeout=timeout) for _ in names]
-            self.topology = Topology(dist.get_rank(), dist.get_world_size(), [])
+            self.topology = Topology(dist.get_rank(), dist.get_world_size(), [], [])
         else:
             groups = [None] * len(names)
-            self.topology = Topology(0, 1, [])
+            self.topology = Topology(0, 1, [], [])
         self.control, self.writer, self.upload = (Channel(g, n) for g, n in zip(groups, names, strict=True))
-        self.topology.hosts = self.control.all_gather(socket.gethostname())
+        gathered = self.control.all_gather((socket.gethostname(), node))
+        self.topology.hosts = [host for host, _ in gathered]
+        self.topology.nodes = [identity for _, identity in gathered]

@@ -416,7 +416,7 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
         dist.init_process_group(
             "gloo", store=prefixed, rank=topology.rank, world_size=topology.world_size, timeout=timeout
         )
-    groups = Groups(config.collective_timeout_s)
+    groups = Groups(config.collective_timeout_s, topology.nodes[topology.rank])
     protected: set[int] = set()
     events = Events(topology.rank, [lambda record: send(("event", record))])
     pipeline = Pipeline(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 from collections.abc import Generator
@@ -28,10 +29,12 @@ from resilience import packing
 from resilience.catalog import Entry
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
-from resilience.manifest import Manifest, hash_bytes
+from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
 from resilience.packing import PackLayout
 from resilience.storage import Tier
 from resilience.tree import flatten, tensor_keys, unflatten
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,17 +153,57 @@ def load_skeleton(entry: Entry, name: str) -> Any:
 # ---- DCP plumbing ------------------------------------------------------------------------------------------
 
 
-class _TierFileSystem(FileSystemBase):
-    """DCP's file-system interface, for reading only, over a tier's fsspec filesystem."""
+@dataclass
+class LocalCopy:
+    """The files of a durable checkpoint that this node's local tier still holds unchanged.
 
-    def __init__(self, tier: Tier):
+    On node-local disks no local copy is complete (each node holds its own ranks' files), so a resume loads
+    the durable checkpoint; after a whole-job restart, though, the shards a node wrote are still on its disk,
+    and reading them there spares the durable tier (and the network) most of the load. A file counts only if
+    its size and checksum match the durable manifest: another save of the same step (an abandoned branch, a
+    crashed attempt) must not load as this one. Anything else is read from the durable tier.
+    """
+
+    tier: Tier
+    path: str
+    files: dict[str, FileEntry]
+    checked: dict[str, bool] = field(default_factory=dict)
+
+    def holds(self, name: str) -> bool:
+        if name not in self.checked:
+            self.checked[name] = self._matches(name)
+        return self.checked[name]
+
+    def _matches(self, name: str) -> bool:
+        item = self.files.get(name)
+        if item is None:
+            return False
+        try:
+            with self.tier.open(f"{self.path}/{name}") as stream:
+                digest, size = hash_stream(stream)
+        except OSError:
+            return False
+        return size == item.size and digest == item.xxh3_64
+
+
+class _TierFileSystem(FileSystemBase):
+    """DCP's file-system interface, for reading only, over a tier's fsspec filesystem (and a local copy)."""
+
+    def __init__(self, tier: Tier, root: str, local: LocalCopy | None):
         self.tier = tier
+        self.root = root
+        self.local = local
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
         if mode != "rb":
             raise ValueError("checkpoint tiers are opened read-only while loading")
-        with self.tier.open(os.fspath(path)) as stream:
+        name = os.fspath(path).removeprefix(f"{self.root}/")
+        if self.local is not None and self.local.holds(name):
+            opened = self.local.tier.open(f"{self.local.path}/{name}")
+        else:
+            opened = self.tier.open(os.fspath(path))
+        with opened as stream:
             yield stream  # type: ignore[misc]
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
@@ -189,9 +232,9 @@ class _TierFileSystem(FileSystemBase):
 class _VerifiedReader(FileSystemReader):
     """A FileSystemReader over a tier that hands DCP the metadata already read and checked."""
 
-    def __init__(self, entry: Entry, metadata: Metadata):
+    def __init__(self, entry: Entry, metadata: Metadata, local: LocalCopy | None):
         super().__init__(entry.path)
-        self.fs = _TierFileSystem(entry.tier)  # type: ignore[assignment]
+        self.fs = _TierFileSystem(entry.tier, entry.path, local)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
 
@@ -283,13 +326,22 @@ def _check_shape(entry: Entry, key: str, saved: tuple[int, ...], target: torch.T
         )
 
 
-def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool) -> Restored:
-    """Read the shards (collective when distributed) and rebuild the trees."""
+def run_load(
+    entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool, local: Tier | None = None
+) -> Restored:
+    """Read the shards (collective when distributed) and rebuild the trees.
+
+    With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
+    are read there (:class:`LocalCopy`).
+    """
     assert entry.manifest is not None
+    copy = None
+    if local is not None and entry.tier is not local:
+        copy = LocalCopy(local, local.step_path(entry.step), {f.path: f for f in entry.manifest.files})
     try:
         dcp.load(
             plan.tensors,
-            storage_reader=_VerifiedReader(entry, plan.metadata),
+            storage_reader=_VerifiedReader(entry, plan.metadata, copy),
             process_group=group,
             no_dist=group is None,
         )
@@ -304,6 +356,9 @@ def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, a
         unpacked = packing.unpack(plan.layout, plan.packed, plan.tensors, plan.pack_targets)
         tensors = {key: t for key, t in plan.tensors.items() if key not in plan.layout.sizes} | unpacked
     where = entry.where()
+    if copy is not None and any(copy.checked.values()):
+        used = sorted(name for name, held in copy.checked.items() if held)
+        log.info("%s: read %d of %d shard file(s) from the local copy %s", where, len(used), len(copy.checked), used)
     state = unflatten(plan.skeleton, tensors, allow_pickle=allow_pickle, where=where)
     rank_state = None
     if plan.rank_skeleton is not None:

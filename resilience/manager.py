@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog, packing
 from resilience.config import CheckpointConfig, WhenBusy
-from resilience.dist import Groups
+from resilience.dist import Groups, node_identity
 from resilience.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -104,13 +104,13 @@ class CheckpointManager:
         self.config = config
         self.local = LocalTier(config.local_root)
         self.durable = DurableTier(config.durable_url, config.storage_options) if config.durable_url else None
-        self.groups = Groups(config.collective_timeout_s)
+        self.groups = Groups(config.collective_timeout_s, node_identity(self.local.root))
         self.topology = self.groups.topology
         self.rank = self.topology.rank
         self.world_size = self.topology.world_size
-        self.local_shared = config.local_shared if config.local_shared is not None else self.topology.single_host
+        self.local_shared = config.local_shared if config.local_shared is not None else self.topology.single_node
         self.is_local_leader = (
-            self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_host())
+            self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_node())
         )
         self.events = Events(self.rank, listeners)
         self.stats = SaveStats()
@@ -202,22 +202,27 @@ class CheckpointManager:
         self.pipeline = self._start_pipeline()
 
     def _startup_checks(self) -> set[int]:
-        """Prove both tiers usable (at set-up, not at step N) and learn which steps exist."""
+        """Prove both tiers usable (at set-up, not at step N) and learn which steps exist, on every node's disk.
 
-        def check_local() -> None:
-            if self.is_local_leader:
-                self.local.check_writable()
+        A step that only another node's disk holds (its upload never finished, or rank 0's node was replaced)
+        still must not be saved over, and a resume from an older step sets it aside like any newer one.
+        """
 
-        self.groups.control.agree(check_local)
+        def check_local() -> set[int]:
+            if not self.is_local_leader:
+                return set()
+            self.local.check_writable()
+            return {e.step for e in catalog.scan(self.local) if e.committed}
 
-        def scan() -> set[int]:
-            known: set[int] = set()
-            if self.durable is not None:
-                self.durable.check_writable()
-                known |= {e.step for e in catalog.scan(self.durable) if e.committed}
-            return known | {e.step for e in catalog.scan(self.local) if e.committed}
+        on_disks = self.groups.control.agree(check_local)
 
-        return set(self.groups.control.decide(scan))
+        def scan_durable() -> set[int]:
+            if self.durable is None:
+                return set()
+            self.durable.check_writable()
+            return {e.step for e in catalog.scan(self.durable) if e.committed}
+
+        return set(self.groups.control.decide(scan_durable)).union(*on_disks)
 
     def claim(self, *, resumed_from: int | None = None, run_id: str | None = None) -> str:
         """Begin training on the local root: call when a run (re)starts, before its first save; collective.
@@ -666,7 +671,9 @@ class CheckpointManager:
             box["plan"] = plan_load(entry, target, rank=self.rank, want_rank_state=rank_state)
 
         def read() -> None:
-            box["restored"] = run_load(entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle)
+            box["restored"] = run_load(
+                entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle, local=self.local
+            )
 
         self.groups.control.agree(plan)
         self.groups.control.agree(read)
@@ -693,7 +700,7 @@ class CheckpointManager:
 
     def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
         """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
-        full = self.config.verify in ("full", "auto")
+        full = self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
         try:
             self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share))
         except CorruptCheckpointError as exc:

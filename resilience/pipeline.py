@@ -130,8 +130,8 @@ class Pipeline:
         self.writer_channel = writer_channel
         self.upload_channel = upload_channel
         self.local_shared = local_shared
-        self.local_ranks = None if local_shared else topology.ranks_on_my_host()
-        self.is_local_leader = self.rank == 0 if local_shared else self.rank == min(topology.ranks_on_my_host())
+        self.local_ranks = None if local_shared else topology.ranks_on_my_node()
+        self.is_local_leader = self.rank == 0 if local_shared else self.rank == min(topology.ranks_on_my_node())
         self.events = events
         self._on_committed = committed
         self._policy = RetryPolicy(config.upload_retries, config.upload_backoff_s)

@@ -16,8 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from resilience.storage import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -131,6 +134,21 @@ def kill_tree(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def kill_job(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a launcher and every worker: torchelastic starts each worker in a session of its own."""
+    import psutil
+
+    try:
+        family = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        family = []
+    kill_tree(proc)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
 class MotoServer:
     """moto's S3 server as its own process on 127.0.0.1, so a test can also kill it mid-upload."""
 
@@ -189,6 +207,18 @@ def reseal(step_dir: Path, name: str) -> None:
         entry["size"], entry["xxh3_64"] = len(data), hash_bytes(data)
 
     edit_manifest(step_dir, match)
+
+
+def recording_open(reads: list[tuple[str, str]], original: Callable[..., IO[bytes]]) -> Callable[..., IO[bytes]]:
+    """A ``Tier.open`` that notes every shard file opened, with its tier (a local copy is checked, then read)."""
+
+    def opened(self: Tier, path: str, mode: str = "rb") -> IO[bytes]:
+        stream = original(self, path, mode)  # only files that are there
+        if path.endswith(".distcp"):
+            reads.append((self.name, os.path.basename(path)))
+        return stream
+
+    return opened
 
 
 S3_ENV = {

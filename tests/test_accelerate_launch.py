@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,12 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
 from resilience.goodput import summarize
-from tests.helpers import S3_ENV, WORKERS, MotoServer, base_env, free_port
+from tests.helpers import S3_ENV, WORKERS, MotoServer, base_env, free_port, kill_job
 
 WORKER = WORKERS / "accelerate_train.py"
 LAUNCH_TIMEOUT_S = 240
@@ -68,20 +65,6 @@ def start(out: Path, env: dict[str, str], *flags: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
-
-
-def kill_job(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL the launcher and every worker: torchelastic starts each worker in a session of its own."""
-    try:
-        family = [child.pid for child in psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in family:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
 
 
 @contextlib.contextmanager
