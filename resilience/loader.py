@@ -13,7 +13,7 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Generator
+from collections.abc import Collection, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +29,7 @@ from resilience.errors import CheckpointError, CorruptCheckpointError, Incompati
 from resilience.layout import DCP_METADATA, STATE_FILE, rank_state_file
 from resilience.manifest import Manifest, hash_bytes
 from resilience.storage import Tier
-from resilience.tree import flatten, tensor_keys, unflatten
+from resilience.tree import TAG, flatten, tensor_keys, unflatten
 
 
 @dataclass
@@ -207,11 +207,19 @@ class LoadPlan:
     tensors: dict[str, torch.Tensor]
 
 
-def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True) -> LoadPlan:
-    """Read and check everything small, and allocate what the target does not provide; no collectives."""
+def plan_load(
+    entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True, leave_out: Collection[str] = ()
+) -> LoadPlan:
+    """Read and check everything small, and allocate what the target does not provide; no collectives.
+
+    ``leave_out``: top-level keys of the shared state not to read at all (an evaluation needs no optimizer
+    state, and allocating it whole on every rank could exceed memory that holds only a shard of it).
+    """
     assert entry.manifest is not None
     metadata = load_dcp_metadata(entry)
     skeleton = load_skeleton(entry, STATE_FILE)
+    if leave_out and isinstance(skeleton, dict) and TAG not in skeleton:
+        skeleton = {key: value for key, value in skeleton.items() if key not in leave_out}
     rank_skeleton = None
     if want_rank_state and entry.manifest.file(rank_state_file(rank)) is not None:
         rank_skeleton = load_skeleton(entry, rank_state_file(rank))
