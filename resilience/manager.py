@@ -593,8 +593,10 @@ class CheckpointManager:
     ) -> Restored | None:
         """Load the newest verified checkpoint (or ``step``) into ``target``; None if there is none.
 
-        Collective. ``target`` is a state tree with tensors (DTensors are resharded); without it, tensors are
-        allocated on CPU. ``leave_out``: top-level keys of the saved state not to read. A copy that fails
+        Collective. ``target`` is a state tree with tensors (DTensors are resharded), or a function that makes
+        one, called only once a checkpoint is found (making it may change the state: DCP's state-dict API gives
+        an optimizer that has not stepped its state by stepping it); without it, tensors are allocated on CPU.
+        ``leave_out``: top-level keys of the saved state not to read. A copy that fails
         anywhere in loading (checksums, a shard DCP cannot read, a malformed state file) is set aside and the
         next older one is tried, so the same bad copy never stops a relaunch twice. With ``step`` given and no
         such verified checkpoint, raises NoCheckpointError.
@@ -644,7 +646,8 @@ class CheckpointManager:
         box: dict[str, Any] = {}
 
         def plan() -> None:
-            box["plan"] = plan_load(entry, target, rank=self.rank, want_rank_state=rank_state, leave_out=leave_out)
+            tree = target() if callable(target) else target
+            box["plan"] = plan_load(entry, tree, rank=self.rank, want_rank_state=rank_state, leave_out=leave_out)
 
         def read() -> None:
             box["restored"] = run_load(entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle)
