@@ -83,7 +83,8 @@ class ResilientModelParallelStrategy(EveryRankSaves, ModelParallelStrategy):
         retention deleted) loads as Lightning's ``ModelParallelStrategy`` loads it."""
         path = os.fspath(self.broadcast(checkpoint_path))
         io = self.checkpoint_io
-        step, plain = self.broadcast(io.resolve(path) if self.is_global_zero else None)
+        # rank 0 resolves (it writes the names); its answer, or its error, reaches every rank
+        step, plain = io.manager.groups.control.decide(lambda: io.resolve(path))
         if plain is not None:
             return super().load_checkpoint(plain, weights_only=weights_only)
         assert self.model is not None and self.lightning_module is not None

@@ -5,6 +5,7 @@ state, but a sharded, deduplicated save is collective: every rank must join. Ove
 ``Strategy.save_checkpoint`` in a strategy subclass is the pattern Lightning itself uses for sharded
 strategies (``ModelParallelStrategy``); it is selected by name (``strategy="resilient_ddp"``), by class, or by
 ``class_path`` in a LightningCLI config, and needs no change to the user's module or callbacks.
+``EveryRankSaves`` is that override, shared with ``ResilientModelParallelStrategy`` (model_parallel_strategy.py).
 """
 
 from __future__ import annotations
