@@ -2,7 +2,8 @@
 for rank 1): FSDP2 (``fully_shard``), tensor parallel (``parallelize_module``) and HSDP applied in
 ``configure_model``. A kill -9 and relaunch resumes bit-exact; checkpoints reshard between layouts (the resumed
 parameters and optimizer state, gathered, equal the saved ones exactly); the names are Lightning sharded
-checkpoints that Lightning's own ``ModelParallelStrategy`` and ``consolidate_checkpoint`` read.
+checkpoints that Lightning's own ``ModelParallelStrategy`` and ``consolidate_checkpoint`` read; under HSDP the
+survivor of a killed rank saves its chunks from the other replica.
 """
 
 from __future__ import annotations
@@ -117,6 +118,23 @@ def test_reshard_between_layouts(tmp_path: Path, saved: tuple[str, int, int], re
     output = finished(second, 12)
     assert "Restored step 8" in output
     assert_same(load(tmp_path / "restored.pt"), load(tmp_path / "snapshot-8.pt"))
+
+
+def test_hsdp_survivor_saves_a_lost_ranks_chunks_from_its_replica(tmp_path: Path) -> None:
+    """HSDP, 2 replicas of 1 shard: rank 1 dies (SIGKILL) as step 11 begins; rank 0, in FSDP's collectives with
+    it, saves step 10 alone, rank 1's chunks from its own replica (the fault model's survivor save), and exits 75;
+    the relaunch resumes from it bit-exact against an uninterrupted HSDP run."""
+    reference = tmp_path / "reference"
+    finished(train(reference, "--layout", "hsdp", "--out", str(reference / "final.pt")), 20)
+    run = tmp_path / "run"
+    lost = train(run, "--layout", "hsdp", "--lose-rank-1-at", "10")
+    assert lost.returncode == 75, (lost.stdout + lost.stderr)[-6000:]
+    manifest = json.loads((run / "ckpt" / "step-10" / "manifest.json").read_text())
+    assert manifest["extra"]["survivor_save"] == {"saved_by": [0], "lost": [1]}
+    assert {f["rank"] for f in manifest["files"] if f["kind"] == "shard"} == {0}
+    output = finished(train(run, "--layout", "hsdp", "--out", str(run / "final.pt")), 20)
+    assert "Restored step 10" in output
+    assert_same(load(run / "final.pt"), load(reference / "final.pt"))
 
 
 def test_names_are_lightning_sharded_checkpoints(tmp_path: Path, reference: Path) -> None:

@@ -64,7 +64,8 @@ def full_state(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 class Record(pl.Callback):
-    """Writes full states (rank 0) where the test asks, and SIGKILLs the run after a committed step."""
+    """Writes full states (rank 0) where the test asks, SIGKILLs the run after a committed step, or rank 1 alone
+    as a step begins (``--lose-rank-1-at``: the survivor, rank 0, is in a collective with it)."""
 
     def __init__(self, args: argparse.Namespace, io: ResilientCheckpointIO | None) -> None:
         self.args, self.io = args, io
@@ -72,6 +73,10 @@ class Record(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.args.restored:
             self._write(trainer, self.args.restored)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.args.lose_rank_1_at and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step in self.args.snapshot_at:
@@ -100,6 +105,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--kill-at", type=int)
+    p.add_argument("--lose-rank-1-at", type=int)
     p.add_argument("--snapshot-at", type=int, nargs="*", default=[])
     p.add_argument("--snapshots", help="the folder --snapshot-at writes into")
     p.add_argument("--restored", help="write the full state right after the resume here")
