@@ -232,7 +232,7 @@ class ResilienceHandle:
         self._check_open()
         start = time.perf_counter()
         self._refresh()
-        restored = self.manager.load({"training": training_state(self.accelerator)}, step=step)
+        restored = self.manager.load(lambda: {"training": training_state(self.accelerator)}, step=step)
         if restored is None:
             self.session.restored(None, time.perf_counter() - start)
             return ResumePoint()

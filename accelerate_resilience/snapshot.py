@@ -5,7 +5,10 @@ and GradScaler the accelerator prepared. Per rank: the RNG streams and the objec
 ``register_for_checkpointing``, whose state Accelerate saves from rank 0 only, losing whatever differs per rank.
 
 The trees hold the live tensors (``state_dict()`` aliases, not copies): the engine's staging is the one copy a
-save makes, and a resume fills these same tensors in place.
+save makes, and a resume fills these same tensors in place. For models whose parameters are DTensors (FSDP2)
+they come from DCP's state-dict API (what Accelerate's own FSDP2 save uses): DTensor shards, each optimizer's
+state keyed by parameter name (a resharded load matches by name), and an optimizer that has not stepped yet
+gets its state made first, so a resume has shards to fill rather than whole tensors on every rank.
 """
 
 from __future__ import annotations
@@ -13,22 +16,55 @@ from __future__ import annotations
 from typing import Any
 
 from accelerate import Accelerator
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from accelerate_resilience import compat
-from resilience.errors import IncompatibleStateError
+from resilience.errors import ConfigError, IncompatibleStateError
 
 
 def training_state(accelerator: Accelerator) -> dict[str, Any]:
     """Models (unwrapped from DDP/compile, so keys do not depend on the launch), optimizers, schedulers, scaler."""
+    models = _unwrapped(accelerator)
+    if _sharded(models):
+        pairs = _optimizer_pairs(accelerator, models)
+        model_states = [get_model_state_dict(model) for model in models]
+        optimizer_states = [get_optimizer_state_dict(model, optimizer) for model, optimizer in pairs]
+    else:
+        model_states = [model.state_dict() for model in models]
+        optimizer_states = [optimizer.state_dict() for optimizer in compat.optimizers(accelerator)]
     return {
-        "models": [
-            accelerator.unwrap_model(model, keep_torch_compile=False).state_dict()
-            for model in compat.models(accelerator)
-        ],
-        "optimizers": [optimizer.state_dict() for optimizer in compat.optimizers(accelerator)],
+        "models": model_states,
+        "optimizers": optimizer_states,
         "schedulers": [scheduler.state_dict() for scheduler in compat.schedulers(accelerator)],
         "scaler": accelerator.scaler.state_dict() if accelerator.scaler is not None else None,
     }
+
+
+def _unwrapped(accelerator: Accelerator) -> list[Any]:
+    return [accelerator.unwrap_model(model, keep_torch_compile=False) for model in compat.models(accelerator)]
+
+
+def _sharded(models: list[Any]) -> bool:
+    """Whether the state is DTensor shards (FSDP2 shards the parameters it is given)."""
+    return any(isinstance(p, DTensor) for model in models for p in model.parameters())
+
+
+def _optimizer_pairs(accelerator: Accelerator, models: list[Any]) -> list[tuple[Any, Any]]:
+    """Each (torch) optimizer with the model whose parameters it steps: the i-th prepared one, as Accelerate pairs
+    them."""
+    optimizers = compat.optimizers(accelerator)
+    if len(optimizers) > len(models):
+        raise ConfigError(
+            f"{len(optimizers)} optimizers but {len(models)} models were prepared: with sharded (DTensor) "
+            "parameters the i-th optimizer must step the i-th model's (as Accelerate's own FSDP2 save assumes)"
+        )
+    return [(model, optimizer.optimizer) for model, optimizer in zip(models, optimizers, strict=False)]
 
 
 def load_training_state(accelerator: Accelerator, state: dict[str, Any], where: str) -> None:
@@ -42,10 +78,17 @@ def load_training_state(accelerator: Accelerator, state: dict[str, Any], where: 
                 f"{where} holds {len(state[kind])} {kind} but this run prepared {len(live)}: prepare the same "
                 "models, optimizers and schedulers, in the same order, as the run that saved it"
             )
-    for model, saved in zip(compat.models(accelerator), state["models"], strict=True):
-        accelerator.unwrap_model(model, keep_torch_compile=False).load_state_dict(saved)
-    for optimizer, saved in zip(compat.optimizers(accelerator), state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
+    models = _unwrapped(accelerator)
+    if _sharded(models):  # model and optimizer separately: together, non-zero ranks can hang (notes/dcp.md)
+        for model, saved in zip(models, state["models"], strict=True):
+            set_model_state_dict(model, saved)
+        for (model, optimizer), saved in zip(_optimizer_pairs(accelerator, models), state["optimizers"], strict=True):
+            set_optimizer_state_dict(model, optimizer, saved)
+    else:
+        for model, saved in zip(models, state["models"], strict=True):
+            model.load_state_dict(saved)
+        for optimizer, saved in zip(compat.optimizers(accelerator), state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
     for scheduler, saved in zip(compat.schedulers(accelerator), state["schedulers"], strict=True):
         scheduler.load_state_dict(saved)
     if accelerator.scaler is not None and state["scaler"] is not None:

@@ -80,6 +80,9 @@ class DemoData(pl.LightningDataModule):
         if self.loader == "plain":
             return DataLoader(data, batch_size=self.batch_size, shuffle=True)
         if self.loader == "stateful" and self.trainer is not None and self.trainer.world_size > 1:
-            sampler = StatefulDistributedSampler(data, shuffle=True, seed=0)
+            # the strategy's data-parallel ranks: under tensor parallelism the ranks of a group share batches
+            sampler = StatefulDistributedSampler(
+                data, shuffle=True, seed=0, **self.trainer.strategy.distributed_sampler_kwargs
+            )
             return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler)
         return StatefulDataLoader(data, batch_size=self.batch_size, shuffle=True)

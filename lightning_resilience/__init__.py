@@ -1,6 +1,7 @@
-"""Lightning adapter: an async distributed CheckpointIO, a DDP strategy whose ranks all write, and callbacks.
+"""Lightning adapter: an async distributed CheckpointIO, DDP and model-parallel strategies whose ranks all write,
+and callbacks.
 
-Importing this package registers the ``"resilient_ddp"`` strategy name.
+Importing this package registers the ``"resilient_ddp"`` and ``"resilient_model_parallel"`` strategy names.
 """
 
 from lightning_resilience.auto_resume import AutoResume
@@ -8,6 +9,7 @@ from lightning_resilience.checkpoint_io import ResilientCheckpointIO
 from lightning_resilience.goodput import GoodputMonitor
 from lightning_resilience.health import HealthGuardCallback
 from lightning_resilience.interval import PeriodicCheckpoint
+from lightning_resilience.model_parallel_strategy import ResilientModelParallelStrategy
 from lightning_resilience.strategy import ResilientDDPStrategy
 
 __all__ = [
@@ -17,4 +19,5 @@ __all__ = [
     "PeriodicCheckpoint",
     "ResilientCheckpointIO",
     "ResilientDDPStrategy",
+    "ResilientModelParallelStrategy",
 ]

@@ -23,7 +23,6 @@ from lightning_resilience.checkpoint_io import (
 from lightning_resilience.session_callback import SessionCallback
 from resilience import catalog
 from resilience.errors import ConfigError, ResilienceError
-from resilience.storage import DurableTier, LocalTier, Tier
 
 # With this callback, fit(ckpt_path=None) resolving to the newest checkpoint is the point, and a first launch
 # with nothing saved yet is normal; Lightning's warnings about both would only mislead.
@@ -75,12 +74,8 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     @property
     def ckpt_path(self) -> str | None:  # type: ignore[override]
         """Evaluated by Lightning before the process group exists, so it only reads storage (same on every rank)."""
-        config = self.io.config
-        tiers: list[Tier] = [LocalTier(config.local_root)]
-        if config.durable_url:
-            tiers.append(DurableTier(config.durable_url, config.storage_options))
         try:
-            found = catalog.candidates(tiers)
+            found = catalog.candidates(self.io.tiers())
         except ResilienceError:
             raise
         except Exception as exc:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import lightning.pytorch as pl
@@ -36,15 +37,15 @@ from lightning_resilience.lightning_state import (
     saved_at_epoch_end,
     split_checkpoint,
 )
-from lightning_resilience.names import NameWriter
-from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
+from lightning_resilience.names import FILE, SHARDED, NameWriter
+from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError, catalog
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.export import write_file_atomically
 from resilience.layout import parse_step_dirname
 from resilience.peer_loss import PeerLossConfig
 from resilience.session import TrainingSession
 from resilience.staging import barrier_for
-from resilience.storage import DurableTier, LocalTier
+from resilience.storage import DurableTier, LocalTier, Tier
 
 log = logging.getLogger(__name__)
 ENGINE_LOGGERS = ("resilience", "lightning_resilience")
@@ -206,9 +207,15 @@ class ResilientCheckpointIO(CheckpointIO):
 
     # ---- CheckpointIO ---------------------------------------------------------------------------------------
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None, *, layout: str = FILE
+    ) -> None:
         """Inside ``fit()``: an asynchronous engine save, and the file at ``path`` once it is committed. Outside
-        it: the same engine save, and the file written at once, the way Lightning's own plugin writes it."""
+        it: the same engine save, and the file written at once, the way Lightning's own plugin writes it.
+
+        ``layout``: what ``path`` becomes, a Lightning checkpoint file (:data:`FILE`), or, from a sharded strategy,
+        Lightning's sharded checkpoint directory (:data:`SHARDED`), always made from the committed step.
+        """
         trainer = calling_trainer() or self._trainer
         if _several_processes() and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False):
             # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
@@ -235,6 +242,16 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = split_checkpoint(checkpoint, trainer)
                 handle = session.save(step, state, reason="named")
             keys, run_id = list(checkpoint), session.manager.run_id
+            if layout == SHARDED:
+                written = None
+                if self._names is not None and handle is not None:
+                    written = self._names.add(os.fspath(path), step, keys, handle, run_id, layout=SHARDED)
+                if not fitting or _tensor_bytes(checkpoint) < self.sync_names_below_mb * 2**20:
+                    if handle is not None:
+                        handle.committed.result()
+                    if written is not None:
+                        written.result()
+                return
             if fitting and _tensor_bytes(checkpoint) >= self.sync_names_below_mb * 2**20:
                 if self._names is not None and handle is not None:
                     self._names.add(os.fspath(path), step, keys, handle, run_id, storage_options)
@@ -260,13 +277,22 @@ class ResilientCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        step, plain = self._resolve(os.fspath(path))
+        step, plain = self.resolve(os.fspath(path))
         if plain is not None:  # an ordinary Lightning checkpoint, e.g. to start fine-tuning from
             return TorchCheckpointIO().load_checkpoint(plain, map_location=map_location, weights_only=weights_only)
+        return self.load_engine(step)
+
+    def load_engine(self, step: int | None, *, target: Any = None, leave_out: Collection[str] = ()) -> dict[str, Any]:
+        """Load ``step`` (None: the newest that verifies) from the engine, on every rank together.
+
+        ``target``: tensors to fill in place, under their keys in Lightning's checkpoint dict (a sharded
+        strategy's DTensors, which are resharded to this run's layout), or a function making them once a
+        checkpoint is found; ``leave_out``: top-level keys not to read.
+        """
         start = time.perf_counter()
         session = self.session
         manager = session.manager
-        restored = manager.load(step=step)
+        restored = manager.load(target, step=step, leave_out=leave_out)
         if restored is None:
             raise NoCheckpointError(
                 f"No committed checkpoint verifies under {self.config.local_root}"
@@ -295,8 +321,11 @@ class ResilientCheckpointIO(CheckpointIO):
         )
         return merge_checkpoint(restored.state, rank_state)
 
-    def _resolve(self, path: str) -> tuple[int | None, str | None]:
-        """(step to load from the engine, None) or (None, path of a plain file to load as Lightning would)."""
+    def resolve(self, path: str) -> tuple[int | None, str | None]:
+        """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would).
+
+        No collectives: a sharded strategy resolves on rank 0 only and broadcasts the answer.
+        """
         if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
             return None, None
         step = parse_step_dirname(path)
@@ -307,7 +336,7 @@ class ResilientCheckpointIO(CheckpointIO):
         pending = names.pending(path) if names is not None else None
         if pending is not None:
             pending.result()  # a save of this path is in flight: load what it writes, once it is written
-        if name is not None and not is_weights_only(dict.fromkeys(name.keys)):
+        if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and self._holds(name.step):
             return name.step, None  # the engine's copy: verified, and every rank's own state
         if os.path.exists(os.path.realpath(path)) or "://" in path:
             return None, path
@@ -315,6 +344,17 @@ class ResilientCheckpointIO(CheckpointIO):
             rank_zero_warn(f"{path} was never written (its process ended first); loading step {name.step}")
             return name.step, None
         raise FileNotFoundError(f"Checkpoint {path} does not exist: pass an existing file, or ckpt_path='last'")
+
+    def tiers(self) -> list[Tier]:
+        """The engine's tiers, as storage (no engine, no collectives): the local root, and the durable URL."""
+        tiers: list[Tier] = [LocalTier(self.config.local_root)]
+        if self.config.durable_url:
+            tiers.append(DurableTier(self.config.durable_url, self.config.storage_options))
+        return tiers
+
+    def _holds(self, step: int) -> bool:
+        """Whether the engine still has ``step`` (retention may have deleted it; its name is a checkpoint itself)."""
+        return any(entry.step == step for entry in catalog.candidates(self.tiers()))
 
     def _peek_names(self) -> NameWriter | None:
         """The name record, read-only, where this process writes no names (other ranks look up steps in it)."""

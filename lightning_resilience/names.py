@@ -8,6 +8,9 @@ rank 0: the step is read back (it is in the page cache) and written with ``torch
 that is then renamed over the name. So a name never exists before its data is committed, and never holds a
 partly written file.
 
+Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
+step without writing its tensors again (``sharded_names.py``).
+
 Names are recorded in ``<local_root>/names.json`` (path, step, what was asked for), so that a name still being
 written is waited for by a load, a name whose process died before writing it is written at the next start,
 and a load of a missing name can fall back to the step it was for.
@@ -25,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning_resilience.sharded_names import remove_name, write_sharded_name
 from resilience.export import read_committed, write_file_atomically
 from resilience.save_handle import SaveHandle
 from resilience.storage import LocalTier
@@ -33,6 +37,8 @@ from resilience.worker import Worker
 log = logging.getLogger(__name__)
 REGISTRY = "names.json"
 METADATA_KEY = "training-resilience"  # in every materialised file: which run and step it came from
+FILE = "file"  # a name's layout: one Lightning checkpoint file
+SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
 
 # Builds the Lightning dict of a name from the restored step (shared state, rank 0's state) and the
 # top-level keys the save asked for (a weights-only save asks for fewer).
@@ -41,13 +47,14 @@ Materialise = Callable[[Any, Any, list[str]], dict[str, Any]]
 
 @dataclass
 class Name:
-    """One name: where, which step, which top-level keys of the checkpoint dict, and whether it is written."""
+    """One name: where, which step, which top-level keys of the checkpoint dict, its layout, whether it is written."""
 
     path: str
     step: int
     keys: list[str]
     run_id: str | None = None
     written: bool = False
+    layout: str = FILE
 
 
 class NameWriter:
@@ -79,13 +86,15 @@ class NameWriter:
         handle: SaveHandle | None,
         run_id: str | None,
         storage_options: dict[str, Any] | None = None,
+        layout: str = FILE,
     ) -> Future[None]:
         """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is).
 
         ``storage_options``: fsspec options for a ``path`` that is a URL (Lightning's per-save argument).
+        ``layout``: :data:`FILE` or :data:`SHARDED`.
         """
         path = _absolute(path)
-        name = Name(path, step, list(keys), run_id)
+        name = Name(path, step, list(keys), run_id, layout=layout)
         self._options[path] = dict(storage_options or {})
         if (
             "://" not in path
@@ -129,7 +138,7 @@ class NameWriter:
             return {name.step for name in self._names.values() if not name.written}
 
     def forget(self, path: str) -> None:
-        """``ModelCheckpoint`` removed the name: delete the file (after a write in flight) and its record."""
+        """``ModelCheckpoint`` removed the name: delete it (after a write in flight) and its record."""
         path = _absolute(path)
         future = self.pending(path)
         if future is not None:
@@ -139,8 +148,7 @@ class NameWriter:
             self._names.pop(path, None)
             self._pending.pop(path, None)
             self._store()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        remove_name(path)
 
     def repair(self, committed: set[int]) -> None:
         """Queue the names a dead process never wrote, whose steps are committed (call at start-up)."""
@@ -149,7 +157,7 @@ class NameWriter:
         for name in missing:
             if name.step in committed:
                 log.info("writing %s (step %d), which the previous run did not finish", name.path, name.step)
-                self.add(name.path, name.step, name.keys, None, name.run_id)
+                self.add(name.path, name.step, name.keys, None, name.run_id, layout=name.layout)
 
     def wait(self) -> None:
         """Every name asked for so far is written (or its error raised)."""
@@ -181,10 +189,23 @@ class NameWriter:
             # This process hashed these files while writing them, and pickled what they hold; a repair after a
             # restart checks them again, and unpickles only with the plugin's consent.
             fresh = handle is not None
-            restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=fresh or self.allow_pickle)
-            checkpoint = self.materialise(restored.state, restored.rank_state, name.keys)
-            checkpoint.update(self.metadata(name.step, name.run_id))
-            write_file_atomically(checkpoint, name.path, storage_options=self._options.get(name.path))
+            allow_pickle = fresh or self.allow_pickle
+            if name.layout == SHARDED:
+                extra = self.metadata(name.step, name.run_id)
+                write_sharded_name(
+                    self.local,
+                    name.step,
+                    name.path,
+                    name.keys,
+                    verify=not fresh,
+                    allow_pickle=allow_pickle,
+                    extra=extra,
+                )
+            else:
+                restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=allow_pickle)
+                checkpoint = self.materialise(restored.state, restored.rank_state, name.keys)
+                checkpoint.update(self.metadata(name.step, name.run_id))
+                write_file_atomically(checkpoint, name.path, storage_options=self._options.get(name.path))
         except BaseException:
             log.exception("writing the checkpoint file %s failed", name.path)
             raise

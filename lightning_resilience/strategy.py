@@ -5,6 +5,7 @@ state, but a sharded, deduplicated save is collective: every rank must join. Ove
 ``Strategy.save_checkpoint`` in a strategy subclass is the pattern Lightning itself uses for sharded
 strategies (``ModelParallelStrategy``); it is selected by name (``strategy="resilient_ddp"``), by class, or by
 ``class_path`` in a LightningCLI config, and needs no change to the user's module or callbacks.
+``EveryRankSaves`` is that override, shared with ``ResilientModelParallelStrategy`` (model_parallel_strategy.py).
 """
 
 from __future__ import annotations
@@ -15,35 +16,29 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+from lightning_resilience.names import FILE
 
 
-class ResilientDDPStrategy(DDPStrategy):
-    """DDP with collective, asynchronous checkpoint saves through :class:`ResilientCheckpointIO`.
+class EveryRankSaves:
+    """What a resilient strategy adds to Lightning's: every rank takes part in each save, through the plugin.
 
-    Takes every argument of ``DDPStrategy``. Without a ``checkpoint_io`` (here or as a Trainer plugin) it uses
-    ``ResilientCheckpointIO()`` with its defaults.
+    Mixed in before a Lightning strategy class; ``name_layout`` says what the names become (``names.FILE`` or
+    ``names.SHARDED``).
     """
 
-    strategy_name = "resilient_ddp"
     saves_on_every_rank = True  # what ResilientCheckpointIO checks before a collective save
+    name_layout = FILE
+    _checkpoint_io: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("start_method", "popen") != "popen":
-            raise ValueError(
-                "ResilientDDPStrategy needs start_method='popen' (processes launched by Lightning, torchrun or "
-                "SLURM): spawn-based launchers save on rank 0 only to hand weights back to the parent process"
-            )
-        super().__init__(*args, **kwargs)
-
-    @property  # type: ignore[override]
+    @property
     def checkpoint_io(self) -> ResilientCheckpointIO:
         io = self._checkpoint_io
         if io is None:
             io = self._checkpoint_io = ResilientCheckpointIO()
         if not isinstance(io, ResilientCheckpointIO):
             raise TypeError(
-                f"ResilientDDPStrategy needs a ResilientCheckpointIO, got {type(io).__name__}: remove the other "
-                "CheckpointIO plugin, or use strategy='ddp' with it"
+                f"{type(self).__name__} needs a ResilientCheckpointIO, got {type(io).__name__}: remove the other "
+                "CheckpointIO plugin, or use Lightning's own strategy with it"
             )
         return io
 
@@ -53,8 +48,28 @@ class ResilientDDPStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank writes its shards; rank 0's name for the checkpoint is the one all ranks use
-        filepath = self.broadcast(filepath)
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        filepath = self.broadcast(filepath)  # type: ignore[attr-defined]
+        self.checkpoint_io.save_checkpoint(
+            checkpoint, filepath, storage_options=storage_options, layout=self.name_layout
+        )
+
+
+class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):
+    """DDP with collective, asynchronous checkpoint saves through :class:`ResilientCheckpointIO`.
+
+    Takes every argument of ``DDPStrategy``. Without a ``checkpoint_io`` (here or as a Trainer plugin) it uses
+    ``ResilientCheckpointIO()`` with its defaults.
+    """
+
+    strategy_name = "resilient_ddp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(
+                "ResilientDDPStrategy needs start_method='popen' (processes launched by Lightning, torchrun or "
+                "SLURM): spawn-based launchers save on rank 0 only to hand weights back to the parent process"
+            )
+        super().__init__(*args, **kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -29,13 +29,19 @@ def read_committed(
     ``verify`` checksums every file first (skip it only for a checkpoint this process has just written and
     hashed itself).
     """
+    entry = committed_entry(tier, step, verify=verify)
+    plan = plan_load(entry, None, rank=rank)
+    return run_load(entry, plan, group=None, allow_pickle=allow_pickle)
+
+
+def committed_entry(tier: Tier, step: int, *, verify: bool) -> catalog.Entry:
+    """Step ``step`` of ``tier``, committed with every rank's files; ``verify`` checksums every file first."""
     entry = next((e for e in catalog.scan(tier) if e.step == step and e.committed), None)
     if entry is None or entry.manifest is None or not entry.manifest.is_global:
         raise NoCheckpointError(f"No committed checkpoint of step {step} with every rank's files under {tier.url}")
     if verify:
         catalog.verify(entry, full=True)
-    plan = plan_load(entry, None, rank=rank)
-    return run_load(entry, plan, group=None, allow_pickle=allow_pickle)
+    return entry
 
 
 def write_file_atomically(

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import pickle
-from collections.abc import Generator
+from collections.abc import Collection, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_f
 from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
 from resilience.packing import PackLayout
 from resilience.storage import Tier
-from resilience.tree import flatten, tensor_keys, unflatten
+from resilience.tree import TAG, flatten, tensor_keys, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -271,11 +271,19 @@ def load_packs(entry: Entry, metadata: Metadata) -> PackLayout | None:
     return layout
 
 
-def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True) -> LoadPlan:
-    """Read and check everything small, and allocate what the target does not provide; no collectives."""
+def plan_load(
+    entry: Entry, target: Any, *, rank: int, want_rank_state: bool = True, leave_out: Collection[str] = ()
+) -> LoadPlan:
+    """Read and check everything small, and allocate what the target does not provide; no collectives.
+
+    ``leave_out``: top-level keys of the shared state not to read at all (an evaluation needs no optimizer
+    state, and allocating it whole on every rank could exceed memory that holds only a shard of it).
+    """
     assert entry.manifest is not None
     metadata = load_dcp_metadata(entry)
     skeleton = load_skeleton(entry, STATE_FILE)
+    if leave_out and isinstance(skeleton, dict) and TAG not in skeleton:
+        skeleton = {key: value for key, value in skeleton.items() if key not in leave_out}
     rank_skeleton = None
     if want_rank_state and entry.manifest.file(rank_state_file(rank)) is not None:
         rank_skeleton = load_skeleton(entry, rank_state_file(rank))

@@ -619,13 +619,17 @@ class CheckpointManager:
         *,
         step: int | None = None,
         rank_state: bool = True,
+        leave_out: Collection[str] = (),
     ) -> Restored | None:
         """Load the newest verified checkpoint (or ``step``) into ``target``; None if there is none.
 
-        Collective. ``target`` is a state tree with tensors (DTensors are resharded); without it, tensors are
-        allocated on CPU. A copy that fails anywhere in loading (checksums, a shard DCP cannot read, a
-        malformed state file) is set aside and the next older one is tried, so the same bad copy never stops
-        a relaunch twice. With ``step`` given and no such verified checkpoint, raises NoCheckpointError.
+        Collective. ``target`` is a state tree with tensors (DTensors are resharded), or a function that makes
+        one, called only once a checkpoint is found (making it may change the state: DCP's state-dict API gives
+        an optimizer that has not stepped its state by stepping it); without it, tensors are allocated on CPU.
+        ``leave_out``: top-level keys of the saved state not to read. A copy that fails
+        anywhere in loading (checksums, a shard DCP cannot read, a malformed state file) is set aside and the
+        next older one is tried, so the same bad copy never stops a relaunch twice. With ``step`` given and no
+        such verified checkpoint, raises NoCheckpointError.
         """
         self._check_open()
         self.wait_for_staging()  # the load fills live tensors in place
@@ -641,7 +645,9 @@ class CheckpointManager:
                     )
                 return None
             try:
-                restored = self._load_entry(entry, target, rank_state=rank_state, allow_pickle=allow_pickle)
+                restored = self._load_entry(
+                    entry, target, rank_state=rank_state, allow_pickle=allow_pickle, leave_out=leave_out
+                )
             except IncompatibleStateError:
                 raise
             except CorruptCheckpointError as exc:
@@ -662,13 +668,16 @@ class CheckpointManager:
             }
             return restored
 
-    def _load_entry(self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool) -> Restored:
+    def _load_entry(
+        self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool, leave_out: Collection[str]
+    ) -> Restored:
         """Read one copy on every rank. A problem on one rank must stop every rank, not leave the others waiting in
         the collective read: each phase ends with the ranks agreeing on its outcome (and nothing else crosses)."""
         box: dict[str, Any] = {}
 
         def plan() -> None:
-            box["plan"] = plan_load(entry, target, rank=self.rank, want_rank_state=rank_state)
+            tree = target() if callable(target) else target
+            box["plan"] = plan_load(entry, tree, rank=self.rank, want_rank_state=rank_state, leave_out=leave_out)
 
         def read() -> None:
             box["restored"] = run_load(

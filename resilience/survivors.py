@@ -65,7 +65,11 @@ class SurvivorOutcome:
 
 
 def holders(tensor: DTensor) -> list[int]:
-    """The global ranks holding the same chunk of ``tensor`` as this rank (its replicas, itself included)."""
+    """The global ranks holding the same chunk of ``tensor`` as this rank (its replicas, itself included).
+
+    A mesh dimension the tensor is replicated over (HSDP's replicate dimension, a tensor-parallel group holding a
+    replicated weight) repeats the chunk on every rank along it; a shard (or partial) placement tells ranks apart.
+    """
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh: it holds none of it
@@ -77,14 +81,26 @@ def holders(tensor: DTensor) -> list[int]:
 
 
 def share_among(tensors: dict[str, torch.Tensor], rank: int, writers: list[int]) -> dict[str, torch.Tensor]:
-    """This rank's share when only ``writers`` write: replicated plain tensors dealt out among them (fewest
-    bytes first, as in a normal save), and each DTensor chunk by the lowest of its holders that writes."""
+    """This rank's share when ``writers`` write (every rank, in a normal save): each replicated tensor once.
+
+    Plain tensors (DDP's replicas) are dealt out among the writers, and each DTensor chunk among its holders that
+    write (HSDP's replica groups), each to the one with the fewest bytes so far (ties to the lowest rank); a set
+    of holders keeps its own count, which only its members update, in the same order. Every rank computes the
+    same split from the same sizes, without a message, and stages only its share, so the copy a save blocks for
+    and the host memory it copies into shrink with the number of replicas, and the replicas write equal parts.
+    """
     load = dict.fromkeys(writers, 0)
+    chunk_load: dict[tuple[int, ...], dict[int, int]] = {}
     mine: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
         if isinstance(tensor, DTensor):
-            candidates = [r for r in holders(tensor) if r in load]
-            if candidates and min(candidates) == rank:
+            candidates = tuple(r for r in holders(tensor) if r in load)
+            if not candidates:
+                continue
+            counts = chunk_load.setdefault(candidates, dict.fromkeys(candidates, 0))
+            owner = min(candidates, key=lambda r: (counts[r], r))
+            counts[owner] += tensor._local_tensor.numel() * tensor._local_tensor.element_size()
+            if owner == rank:
                 mine[key] = tensor
             continue
         owner = min(writers, key=lambda r: (load[r], r))

@@ -88,6 +88,21 @@ def run_job(out: Path, env: dict[str, str], *flags: str) -> dict[int, dict[str, 
     return {rank: torch.load(out / f"final-rank{rank}.pt", weights_only=False) for rank in (0, 1)}
 
 
+def kill_once_committed(out: Path, env: dict[str, str], step: int) -> int:
+    """Launch, SIGKILL the whole job once a checkpoint of ``step`` or later is committed; the newest step then."""
+    root = Path(env["ACCELERATE_RESILIENCE_LOCAL_DIR"])
+    with running(out, env) as proc:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not any(saved >= step for saved in committed_steps(root)):
+            assert proc.poll() is None, f"the job ended early:\n{(out / 'launch.log').read_text()}"
+            assert time.monotonic() < deadline, f"no checkpoint of step >= {step} was committed in time"
+            time.sleep(0.05)
+        kill_job(proc)
+    newest = committed_steps(root)[-1]
+    assert newest < FINAL_STEP, "the job was not killed mid-run"
+    return newest
+
+
 def committed_steps(root: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step-")) for p in root.glob("step-*/manifest.json"))
 
@@ -174,15 +189,7 @@ def test_kill_9_mid_run_then_relaunch_resumes_from_newest_commit(
         "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "2",
         "TRAIN_STATEFUL": "0",
     }
-    with running(tmp_path / "killed", job_env(tmp_path, **settings, TRAIN_STEP_SLEEP="0.2")) as proc:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while not any(step >= 6 for step in committed_steps(tmp_path / "ckpt")):
-            assert proc.poll() is None, f"the job ended early:\n{(tmp_path / 'killed' / 'launch.log').read_text()}"
-            assert time.monotonic() < deadline, "no checkpoint of step >= 6 was committed in time"
-            time.sleep(0.05)
-        kill_job(proc)
-    newest = committed_steps(tmp_path / "ckpt")[-1]
-    assert newest < FINAL_STEP, "the job was not killed mid-run"
+    newest = kill_once_committed(tmp_path / "killed", job_env(tmp_path, **settings, TRAIN_STEP_SLEEP="0.2"), 6)
 
     got = run_job(tmp_path / "resumed", job_env(tmp_path, **settings))
     point = got[0]["resume"]

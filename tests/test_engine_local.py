@@ -68,6 +68,22 @@ def test_load_into_target_fills_it_in_place(tmp_path: Path) -> None:
         m.load(bad_target)
 
 
+def test_a_load_target_made_on_demand_and_top_level_keys_left_out(tmp_path: Path) -> None:
+    made: list[int] = []
+
+    def target() -> dict[str, object]:
+        made.append(1)
+        return {"model": {"w": torch.zeros(256, 64)}}
+
+    with manager(tmp_path) as m:
+        assert m.load(target) is None and not made  # nothing to load: the target is never made
+        m.save(1, make_state(1))
+    with manager(tmp_path) as m:
+        restored = m.load(target, leave_out=("model",))
+    assert restored is not None and made == [1]
+    assert restored.state == {"step": 1}  # "model" was neither read nor allocated
+
+
 def test_nothing_saved_loads_none_and_missing_step_is_an_error(tmp_path: Path) -> None:
     with manager(tmp_path) as m:
         assert m.load() is None

@@ -120,6 +120,15 @@ def test_a_weights_only_name_never_stands_in_for_a_full_one(tmp_path: Path) -> N
     assert resumed.global_step == 12
 
 
+def test_a_name_whose_step_retention_deleted_loads_as_the_file_it_is(tmp_path: Path) -> None:
+    names = ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4, save_top_k=-1)
+    trainer_for(tmp_path, names, max_steps=12).fit(DemoModel(), DemoData())
+    assert committed(tmp_path) == {8, 12}  # keep_last=2: step 4 is gone from the engine, its name is not
+    resumed = trainer_for(tmp_path, max_steps=14)
+    resumed.fit(DemoModel(), DemoData(), ckpt_path=tmp_path / "names" / "epoch=0-step=4.ckpt")
+    assert resumed.global_step == 14
+
+
 def test_save_then_validate_the_same_path_and_a_plain_checkpoint_loads(tmp_path: Path) -> None:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 

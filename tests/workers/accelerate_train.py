@@ -8,8 +8,15 @@ this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain 
 TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_PREEMPT_AT (the first elastic
 attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
 loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
-after STEP begins; the other's survivor save follows from the failed all-reduce). Each rank also records the
-``every_n_steps="auto"`` plans it followed, and the step at which it got each.
+after STEP begins; the other's survivor save follows from the failed all-reduce), TRAIN_FSDP2 (1: Accelerate's
+FSDP2, ``fsdp_version=2``; the final states are then gathered to full tensors, and OUT_DIR/restored-rank<R>.pt
+holds the state just resumed). Each rank also records the ``every_n_steps="auto"`` plans it followed, and the
+step at which it got each.
+
+Accelerate 1.15 turns FSDP on only for GPU-class distributed types (``AcceleratorState`` leaves ``MULTI_CPU``, what
+``Accelerator(cpu=True)`` under ``accelerate launch --multi_gpu`` is, without it, and wraps the model in DDP), so on
+CPU the FSDP2 mode sets the states' distributed type to FSDP after the Accelerator is made: from there on
+``prepare()`` runs Accelerate's own FSDP2 path (``fsdp2_prepare_model``: ``fully_shard`` on a gloo mesh).
 
 Dropout (torch RNG), Python and NumPy random numbers enter the loss, so any RNG stream restored wrongly shows in
 the final parameters; each rank records the sample indices it trained on in an object registered for
@@ -31,10 +38,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator, DataLoaderConfiguration, FullyShardedDataParallelPlugin, PartialState
 from accelerate.tracking import GeneralTracker
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_resilience import ResilienceHandle, ResumePoint, attach
@@ -145,9 +153,16 @@ def train(
 
 
 def final_state(job: Job) -> dict[str, Any]:
+    """What the tests compare; under FSDP2 the model and optimizer gathered to full tensors (collective)."""
+    if job.accelerator.is_fsdp2:
+        full = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it to rank 0)
+        model = get_model_state_dict(job.model, options=full)
+        optimizer = get_optimizer_state_dict(job.model, job.optimizer.optimizer, options=full)  # type: ignore[attr-defined]
+    else:
+        model, optimizer = job.accelerator.unwrap_model(job.model).state_dict(), job.optimizer.state_dict()
     return {
-        "model": job.accelerator.unwrap_model(job.model).state_dict(),
-        "optimizer": job.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": job.scheduler.state_dict(),
         "indices": list(job.seen.indices),
         "plans": list(job.plans),
@@ -156,13 +171,21 @@ def final_state(job: Job) -> dict[str, Any]:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    fsdp2 = os.environ.get("TRAIN_FSDP2") == "1"
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if fsdp2 else None
     accelerator = Accelerator(
         cpu=True,
         dataloader_config=DataLoaderConfiguration(
             use_stateful_dataloader=os.environ.get("TRAIN_STATEFUL", "1") == "1", use_seedable_sampler=True
         ),
         log_with=[JsonlTracker(out / "metrics.jsonl")],
+        fsdp_plugin=fsdp_plugin,
     )
+    if fsdp2:  # see the module's docstring: Accelerate keeps FSDP off on CPU
+        # both singletons, as AcceleratorState sets them itself on GPUs (each AcceleratorState() made later, by
+        # prepare() for one, copies PartialState's type over its own)
+        PartialState().distributed_type = accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = fsdp_plugin
     accelerator.init_trackers("accelerate-resilience-test")
     job = build_job(accelerator)
     preempt_at = os.environ.get("TRAIN_PREEMPT_AT")
@@ -172,6 +195,8 @@ def main() -> None:
     point = accelerator.load_state()  # routed to resilience.resume()
     rank = accelerator.process_index
     print(f"RESUME rank={rank} {json.dumps(dataclasses.asdict(point))}", flush=True)
+    if fsdp2:
+        torch.save(final_state(job), out / f"restored-rank{rank}.pt")
     train(
         job,
         resilience,
