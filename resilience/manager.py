@@ -11,8 +11,8 @@ Construction, claim(), save() and load() are collective: call them on every rank
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
+import concurrent.futures.thread  # imported before our exit hook is registered: see _register_exit_hook
 import logging
 import os
 import threading
@@ -137,10 +137,7 @@ class CheckpointManager:
         self.pipeline: Pipeline | HelperPipeline = self._start_pipeline()
         self._closed = False
         _OPEN.add(self)
-        # Last registered runs first: before the exit hooks of a process group made before this manager
-        # (Lightning's destroys the group at exit; the last commits and uploads still need it).
-        atexit.unregister(_finish_at_exit)
-        atexit.register(_finish_at_exit)
+        _register_exit_hook()
 
     # ---- start-up ----------------------------------------------------------------------------------------------
 
@@ -802,6 +799,22 @@ def _steps_text(steps: list[int]) -> str:
 
 
 _OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+_EXIT_HOOK: list[bool] = []
+
+
+def _register_exit_hook() -> None:
+    """Run :func:`_finish_at_exit` when the main thread ends, once per process.
+
+    Threading's exit hooks run before any ``atexit`` one, while every thread and the process group still live
+    (Lightning destroys its group in an ``atexit`` hook), and in reverse order of registration: registered after
+    ``concurrent.futures.thread`` is imported, this one runs before that module's own, which refuses new work
+    from then on (an upload started at exit failed with "cannot schedule new futures after interpreter
+    shutdown", its checkpoint committed locally only). ``threading._register_atexit`` is private, but the
+    standard library's executors use it for exactly this.
+    """
+    if not _EXIT_HOOK:
+        threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
+        _EXIT_HOOK.append(True)
 
 
 def _finish_at_exit() -> None:

@@ -207,6 +207,30 @@ def test_background_failure_surfaces_with_context_and_leaves_no_commit(
 
 
 @pytest.mark.parametrize("persist", ["process", "thread"])
+def test_a_script_that_ends_right_after_a_save_commits_and_uploads_it(tmp_path: Path, persist: str) -> None:
+    """The script returns while the save's local write is still running, so its upload starts during interpreter
+    shutdown: the exit waits for the commit and the upload (a thread pool refused the upload there once)."""
+    script = f"""
+import torch
+from resilience import CheckpointConfig, CheckpointManager
+durable = {(tmp_path / "durable").as_uri()!r}
+config = CheckpointConfig({str(tmp_path / "local")!r}, durable_url=durable, persist={persist!r})
+CheckpointManager(config).save(1, {{"w": torch.ones(16, 1024, 1024)}})
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "waiting for checkpoint step(s) [1] to commit" in done.stdout, "the save was done before the exit"
+    assert "failed" not in done.stderr, done.stderr
+    with CheckpointManager(CheckpointConfig(tmp_path / "elsewhere", durable_url=(tmp_path / "durable").as_uri())) as m:
+        restored = m.load()
+    assert (
+        restored is not None
+        and restored.tier == "durable"
+        and torch.equal(restored.state["w"], torch.ones(16, 1024, 1024))
+    )
+
+
+@pytest.mark.parametrize("persist", ["process", "thread"])
 def test_kill_before_commit_leaves_nothing_discovery_accepts(tmp_path: Path, persist: str) -> None:
     """kill -9 of the training process while its shards are written and the manifest is not (in the helper
     process, or in a thread), then a restart: the partial step is never loaded, and its name is free again."""
