@@ -25,14 +25,13 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from resilience.export import read_committed, write_file_atomically
+from resilience.export import METADATA_KEY, read_committed, write_file_atomically
 from resilience.save_handle import SaveHandle
 from resilience.storage import LocalTier
 from resilience.worker import Worker
 
 log = logging.getLogger(__name__)
 REGISTRY = "names.json"
-METADATA_KEY = "training-resilience"  # in every materialised file: which run and step it came from
 
 # Builds the Lightning dict of a name from the restored step (shared state, rank 0's state) and the
 # top-level keys the save asked for (a weights-only save asks for fewer).

@@ -240,10 +240,23 @@ def plan_load(entry: Entry, target: Any, *, rank: int, want_rank_state: bool = T
 def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool) -> Restored:
     """Read the shards (collective when distributed) and rebuild the trees."""
     assert entry.manifest is not None
+    read_tensors(entry, plan.metadata, plan.tensors, group=group)
+    where = entry.where()
+    state = unflatten(plan.skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
+    rank_state = None
+    if plan.rank_skeleton is not None:
+        rank_state = unflatten(plan.rank_skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
+    return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))
+
+
+def read_tensors(
+    entry: Entry, metadata: Metadata, tensors: dict[str, torch.Tensor], *, group: dist.ProcessGroup | None = None
+) -> None:
+    """Fill ``tensors`` (DCP keys to targets) from the shards; collective when ``group`` is given."""
     try:
         dcp.load(
-            plan.tensors,
-            storage_reader=_VerifiedReader(entry, plan.metadata),
+            tensors,
+            storage_reader=_VerifiedReader(entry, metadata),
             process_group=group,
             no_dist=group is None,
         )
@@ -253,12 +266,6 @@ def run_load(entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, a
         # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
         kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
         raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
-    where = entry.where()
-    state = unflatten(plan.skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
-    rank_state = None
-    if plan.rank_skeleton is not None:
-        rank_state = unflatten(plan.rank_skeleton, plan.tensors, allow_pickle=allow_pickle, where=where)
-    return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))
 
 
 def _is_transient(exc: BaseException) -> bool:
