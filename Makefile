@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-floors lint bench
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The lowest stated versions, in .venv-floors: a smoke subset of the tests (tools/test_floors.sh).
+test-floors: $(STAMP)
+	BASE_VENV=$(VENV) tools/test_floors.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

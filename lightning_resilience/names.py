@@ -29,14 +29,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_resilience.sharded_names import remove_name, write_sharded_name
-from resilience.export import read_committed, write_file_atomically
+from resilience.export import METADATA_KEY, read_committed, write_file_atomically
 from resilience.save_handle import SaveHandle
 from resilience.storage import LocalTier
 from resilience.worker import Worker
 
 log = logging.getLogger(__name__)
 REGISTRY = "names.json"
-METADATA_KEY = "training-resilience"  # in every materialised file: which run and step it came from
 FILE = "file"  # a name's layout: one Lightning checkpoint file
 SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
 

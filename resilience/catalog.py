@@ -8,13 +8,15 @@ the reason, and the next older checkpoint is tried.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from resilience.errors import CorruptCheckpointError
-from resilience.layout import MANIFEST
+from resilience.errors import CorruptCheckpointError, NoCheckpointError
+from resilience.layout import MANIFEST, parse_step_dirname
 from resilience.manifest import FileEntry, Manifest, hash_stream
-from resilience.storage import Tier
+from resilience.storage import DurableTier, LocalTier, Tier
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,35 @@ def scan(tier: Tier) -> list[Entry]:
             continue
         entries.append(Entry(step, tier, path, manifest))
     return entries
+
+
+def open_root(text: str, options: dict[str, Any] | None = None) -> tuple[Tier, int | None]:
+    """A checkpoint root a user named (a directory or an fsspec URL) as (tier, step): a ``step-<N>`` folder
+    stands for step N of its parent root; ``step`` is None for a root."""
+    options = options or {}
+    text = text.rstrip("/")
+    step = parse_step_dirname(text)
+    if step is not None and _is_step_dir(text, options):
+        return _existing_tier(text.rsplit("/", 1)[0] or "/", options), step
+    return _existing_tier(text, options), None
+
+
+def _existing_tier(root: str, options: dict[str, Any]) -> Tier:
+    tier: Tier = DurableTier(root, options, setting="ROOT") if "://" in root else LocalTier(root, setting="ROOT")
+    tier.check_readable()
+    if not tier.exists(tier.root):
+        raise NoCheckpointError(
+            f"{root} does not exist: give a checkpoint root (the local_root or durable_url of a run)"
+        )
+    return tier
+
+
+def _is_step_dir(path: str, options: dict[str, Any]) -> bool:
+    """A ``step-<N>`` folder itself (not a root that happens to be named like one: it would hold step dirs)."""
+    if "://" in path:
+        tier = DurableTier(path, options, setting="ROOT")
+        return tier.exists(f"{tier.root}/{MANIFEST}") or not tier.list_steps()
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, MANIFEST)) or not LocalTier(path).list_steps())
 
 
 def verify(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -17,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from resilience import __version__, catalog
-from resilience.errors import ResilienceError
-from resilience.layout import MANIFEST, parse_step_dirname
-from resilience.storage import DurableTier, LocalTier, Tier
+from resilience.errors import CorruptCheckpointError, NoCheckpointError, ResilienceError
+from resilience.layout import MANIFEST
+from resilience.storage import DurableTier, Tier
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_CODES = (
@@ -45,35 +46,10 @@ def _storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def _tier(root: str, options: dict[str, Any]) -> Tier:
-    """A root given on the command line: a directory, or a URL; it must exist."""
-    tier: Tier = DurableTier(root, options, setting="ROOT") if "://" in root else LocalTier(root, setting="ROOT")
-    tier.check_readable()
-    if not tier.exists(tier.root):
-        raise NotFound(f"{root} does not exist: give a checkpoint root (the local_root or durable_url of a run)")
-    return tier
-
-
 def _tiers(args: argparse.Namespace) -> list[tuple[Tier, int | None]]:
     """Each root as (tier, step): a ``step-<N>`` directory stands for that step of its parent root."""
     options = _storage_options(args.storage_option)
-    found: list[tuple[Tier, int | None]] = []
-    for root in args.roots:
-        text = root.rstrip("/")
-        step = parse_step_dirname(text)
-        if step is not None and _is_step_dir(text, options):
-            found.append((_tier(text.rsplit("/", 1)[0] or "/", options), step))
-        else:
-            found.append((_tier(text, options), None))
-    return found
-
-
-def _is_step_dir(path: str, options: dict[str, Any]) -> bool:
-    """A ``step-<N>`` folder itself (not a root that happens to be named like one: it would hold step dirs)."""
-    if "://" in path:
-        tier = DurableTier(path, options, setting="ROOT")
-        return tier.exists(f"{tier.root}/{MANIFEST}") or not tier.list_steps()
-    return os.path.isdir(path) and (os.path.exists(os.path.join(path, MANIFEST)) or not LocalTier(path).list_steps())
+    return [catalog.open_root(root, options) for root in args.roots]
 
 
 def _entries(args: argparse.Namespace) -> list[tuple[Tier, catalog.Entry]]:
@@ -159,7 +135,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
     """Upload committed local checkpoints the durable tier lacks (e.g. when a crash cut an upload short)."""
     from resilience.transfer import RetryPolicy, commit_durable, upload_files
 
-    local = _tier(args.root, {})
+    local, only = catalog.open_root(args.root)
+    if args.step is None:
+        args.step = only  # a step-<N> folder names that step
     durable = DurableTier(args.url, _storage_options(args.storage_option), setting="URL")
     durable.check_writable()
     there = {e.step for e in catalog.scan(durable) if e.committed}
@@ -196,6 +174,50 @@ def cmd_upload(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write one committed step as a Lightning .ckpt, a torch.save state dict or safetensors, verified first."""
+    from resilience.export import DTYPES, export  # keeps torch out of `ls` and `verify`
+
+    options = _storage_options(args.storage_option)
+    on_bytes = _counter(0, _progress_printer(f"tensors read for {args.out}") if args.progress else None)
+    try:
+        done = export(
+            args.root,
+            args.out,
+            format=args.format,
+            step=args.step,
+            weights_only=args.weights_only,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            model=args.model,
+            weights=args.weights,
+            storage_options=options,
+            out_storage_options=options,
+            max_shard_bytes=_bytes(args.max_shard_size),
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            on_bytes=on_bytes,
+        )
+    except CorruptCheckpointError as exc:  # a check failed: nothing was written
+        print(f"FAIL {exc}")
+        return EXIT_FAILED
+    files = ", ".join(done.files)
+    print(f"OK   step {done.step} -> {files} ({done.format}, {_size(done.tensor_bytes)} of tensors)")
+    return EXIT_OK
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B)?\s*$", re.IGNORECASE)
+
+
+def _bytes(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a number of bytes, read as ``save_pretrained``'s ``max_shard_size``."""
+    match = _SIZE.match(text)
+    if not match:
+        raise SystemExit(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB")
+    unit = (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(float(match.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+
+
 def _counter(total: int, show: Callable[[int, int], None] | None) -> Callable[[int], None]:
     done = 0
 
@@ -209,13 +231,17 @@ def _counter(total: int, show: Callable[[int, int], None] | None) -> Callable[[i
 
 
 def _progress_printer(label: str) -> Callable[[int, int], None]:
+    """Prints progress at most twice a second; a total of 0 means not known beforehand (bytes only)."""
     last = [0.0]
 
     def show(done: int, total: int) -> None:
         now = time.monotonic()
         if now - last[0] >= 0.5 or done == total:
             last[0] = now
-            pct = 100.0 * done / total if total else 100.0
+            if not total:
+                print(f"  {label}: {_size(done)}", file=sys.stderr, flush=True)
+                return
+            pct = 100.0 * done / total
             print(f"  {label}: {pct:5.1f}% ({_size(done)} of {_size(total)})", file=sys.stderr, flush=True)
 
     return show
@@ -277,6 +303,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     upload.set_defaults(func=cmd_upload)
 
+    export = sub.add_parser(
+        "export", help="write a committed step as a Lightning .ckpt, a torch.save state dict or safetensors"
+    )
+    export.add_argument("root", metavar="ROOT", help="checkpoint root (directory or fsspec URL), or a step-<N> folder")
+    export.add_argument("out", metavar="OUT", help="file to write (lightning, torch) or directory (safetensors)")
+    export.add_argument("--format", required=True, choices=("lightning", "torch", "safetensors"))
+    export.add_argument("--step", type=int, help="this step (default: the newest committed one)")
+    export.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler, callback state")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the model's floating-point weights")
+    export.add_argument("--model", type=int, default=0, help="Accelerate: which prepared model (prepare order)")
+    export.add_argument("--weights", metavar="PATH", help="path of the model's state dict in the saved state (a/b/c)")
+    export.add_argument("--max-shard-size", default="5GB", help="safetensors: split files above this (default 5GB)")
+    export.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote at OUT")
+    export.add_argument("--allow-pickle", action="store_true", help="decode state values stored as pickles")
+    export.add_argument("--progress", action="store_true", help="show tensor bytes read on stderr")
+    export.add_argument(
+        "--storage-option", action="append", default=[], metavar="NAME=VALUE", help="fsspec option for URLs"
+    )
+    export.set_defaults(func=cmd_export)
+
     report = sub.add_parser("report", help="goodput of a run: where its wall time went, across restarts")
     report.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding goodput/ (or that folder itself)")
     report.add_argument("--json", action="store_true", help="machine-readable summary")
@@ -290,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # usage errors exit 2 here (argparse)
     try:
         return int(args.func(args))
-    except NotFound as exc:
+    except (NotFound, NoCheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_NOT_FOUND
     except ResilienceError as exc:

@@ -1,24 +1,297 @@
-"""A committed checkpoint as one ordinary file: the bridge to tools that only know ``torch.load``.
+"""A committed checkpoint as ordinary files: the bridge to tools that know ``torch.load`` or safetensors.
 
-The step directories stay the source of truth; an export reads one back in this process (no process group:
-every shard, whoever wrote it) and writes a single file, atomically, so a reader sees the whole file or none.
+The step directories stay the source of truth. :func:`read_committed` reads a whole step back in this process
+(no process group: every shard, whoever wrote it), as a Lightning name is made from it. :func:`export` writes a
+step in another format (a Lightning ``.ckpt``, a ``torch.save`` state dict, Hugging Face safetensors), checksums
+first, streaming a few tensors at a time (``step_reader``), so a state larger than memory can be exported. Every
+file is written atomically: a reader sees the old file or the whole new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import uuid
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 import torch
 from fsspec.core import url_to_fs
 
 from resilience import catalog
-from resilience.errors import NoCheckpointError
+from resilience.errors import ConfigError, NoCheckpointError
+from resilience.formats import lightning_ckpt
+from resilience.formats.safetensors_file import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, index, plan_shards, write_shard
+from resilience.formats.torch_file import write_torch_file
+from resilience.layout import STATE_FILE, rank_state_file
 from resilience.loader import Restored, plan_load, run_load
+from resilience.step_reader import DEFAULT_BUDGET_BYTES, StepReader
 from resilience.storage import Tier
+from resilience.tree import tree_key
+
+FORMATS = ("lightning", "torch", "safetensors")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+METADATA_KEY = "training-resilience"  # in every file made from an engine step: which run and step it came from
+# Where each adapter keeps what an export takes, as paths in the shared state tree (docs/FORMAT.md).
+LAYOUTS: dict[str, dict[str, str]] = {
+    "lightning": {"model": "state_dict", "optimizers": "optimizer_states", "schedulers": "lr_schedulers"},
+    "accelerate": {
+        "model": "training/models/{model}",
+        "optimizers": "training/optimizers",
+        "schedulers": "training/schedulers",
+    },
+}
+
+
+@dataclass
+class Exported:
+    """What :func:`export` wrote."""
+
+    step: int
+    format: str
+    files: list[str] = field(default_factory=list)
+    tensor_bytes: int = 0
+
+
+def export(
+    source: str,
+    out: str,
+    *,
+    format: str,
+    step: int | None = None,
+    weights_only: bool = False,
+    dtype: torch.dtype | None = None,
+    model: int = 0,
+    weights: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    out_storage_options: dict[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Exported:
+    """Write committed step ``step`` (default: the newest) of ``source`` to ``out`` in ``format``.
+
+    Args:
+        source: A checkpoint root (a run's ``local_root`` or ``durable_url``) or one ``step-<N>`` folder of it.
+        out: The file to write (``lightning``, ``torch``), or the directory (``safetensors``); a path or URL.
+        format: ``lightning``: the ``.ckpt`` dict the Lightning adapter's names hold (Lightning runs only).
+            ``torch``: the model's state dict (``weights_only``), else ``{"step", "model", "optimizers",
+            "schedulers"}`` (``{"step", "state"}``, the whole tree, for a state the engine saved directly).
+            ``safetensors``: the model's weights, ``save_pretrained``'s file layout.
+        weights_only: Leave out optimizer, scheduler and callback state (safetensors always does).
+        dtype: Cast the model's floating-point weights (not optimizer state) to this dtype, e.g. bfloat16.
+        model: Which of an Accelerate run's prepared models (in ``prepare`` order).
+        weights: The path in the saved state of the model's state dict (``a/b/c``); needed for a state saved
+            by the engine directly, which records no adapter.
+        max_shard_bytes: safetensors: the largest file before the weights are split (``5GB``, as HF).
+        budget_bytes: The most tensor bytes held in memory at once.
+        overwrite: Replace what an earlier export wrote at ``out``.
+    """
+    if format not in FORMATS:
+        raise ConfigError(f"format={format!r} is not one of {', '.join(FORMATS)}")
+    tier, folder_step = catalog.open_root(source, storage_options)
+    entry = _committed_entry(tier, step if step is not None else folder_step)
+    assert entry.manifest is not None
+    catalog.verify(entry, full=True)
+    reader = StepReader(entry, allow_pickle=allow_pickle, budget_bytes=budget_bytes, on_bytes=on_bytes)
+    contents = _Contents(reader, entry, reader.tree(STATE_FILE), model, weights, weights_only, dtype)
+    origin = {"step": entry.step, "run_id": entry.manifest.run_id, "source": tier.display(entry.path)}
+    done = Exported(entry.step, format)
+    if format == "safetensors":
+        named = contents.model_weights()
+        _write_safetensors(named, out, reader, origin, done, max_shard_bytes, overwrite, out_storage_options)
+        return done
+    obj = contents.lightning_dict() if format == "lightning" else contents.torch_dict()
+    if format == "lightning" or not weights_only:  # a bare state dict has none: load_state_dict(strict=True)
+        obj[METADATA_KEY] = origin
+    with atomic_output(out, storage_options=out_storage_options, overwrite=overwrite) as stream:
+        done.tensor_bytes = write_torch_file(obj, stream, reader)
+    done.files.append(out)
+    return done
+
+
+def dcp_keys(state_dict: Mapping[str, torch.Tensor], under: str) -> dict[str, torch.Tensor]:
+    """``state_dict`` keyed as the engine's DCP files name it, for a plain ``dcp.load`` of a step folder.
+
+    The engine names a tensor by its path in the saved tree, joined with ``/`` (``state_dict/net.0.weight``),
+    where DCP would join nested keys with ``.``; see docs/FORMAT.md. ``under`` is the path of the state dict:
+    ``state_dict`` for Lightning, ``training/models/0`` for Accelerate's first model.
+    """
+    return {f"{under}/{tree_key(name)}": tensor for name, tensor in state_dict.items()}
+
+
+# ---- what each format holds -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Contents:
+    """One step's state, with placeholders, and what the caller asked of it."""
+
+    reader: StepReader
+    entry: catalog.Entry
+    state: Any
+    model: int
+    weights: str | None
+    weights_only: bool
+    dtype: torch.dtype | None
+
+    @property
+    def adapter(self) -> Any:
+        assert self.entry.manifest is not None
+        return self.entry.manifest.extra.get("adapter")
+
+    @property
+    def step(self) -> int:
+        return self.entry.step
+
+    def lightning_dict(self) -> dict[str, Any]:
+        if self.adapter != "lightning" or not isinstance(self.state, dict):
+            raise ConfigError(
+                f"{self.entry.where()} was saved by {_saver(self.adapter)}, not Lightning: a .ckpt is made from a "
+                "Lightning run's checkpoint; export this one with --format torch or --format safetensors"
+            )
+        assert self.entry.manifest is not None
+        keys = list(self.state)
+        if self.weights_only:
+            keys = lightning_ckpt.weights_only_keys(keys)
+        rank0 = self.reader.tree(rank_state_file(0)) if self.entry.manifest.file(rank_state_file(0)) else None
+        checkpoint = lightning_ckpt.as_name(self.state, rank0, keys)
+        if isinstance(checkpoint.get("state_dict"), dict):
+            checkpoint["state_dict"] = self._cast(checkpoint["state_dict"])
+        return checkpoint
+
+    def torch_dict(self) -> Any:
+        layout = LAYOUTS.get(str(self.adapter))
+        if layout is None and self.weights is None and not self.weights_only and self.dtype is None:
+            return {"step": self.step, "state": self.state}  # the engine's own tree, as it was saved
+        weights = dict(self.model_weights())
+        if self.weights_only:
+            return weights
+        return {
+            "step": self.step,
+            "model": weights,
+            "optimizers": self._at(layout["optimizers"]) if layout else [],
+            "schedulers": self._at(layout["schedulers"]) if layout else [],
+        }
+
+    def model_weights(self) -> list[tuple[str, Any]]:
+        """The model's state dict as (name, tensor) pairs, in saved order, floating tensors cast to ``dtype``."""
+        path = self.weights
+        if path is None:
+            layout = LAYOUTS.get(str(self.adapter))
+            if layout is None:
+                raise ConfigError(
+                    f"step {self.step} was saved by {_saver(self.adapter)}, which records no model: name the state "
+                    "dict in the saved state with --weights PATH (weights=...), e.g. --weights model"
+                )
+            if self.adapter == "accelerate":
+                count = len(self._at("training/models"))
+                if not 0 <= self.model < count:
+                    raise ConfigError(
+                        f"step {self.step} holds {count} model(s): choose one with --model 0..{count - 1}"
+                    )
+            path = layout["model"].format(model=self.model)
+        found = self._at(path)
+        if not isinstance(found, Mapping) or not all(isinstance(name, str) for name in found):
+            raise ConfigError(f"{path!r} in step {self.step} is not a state dict (names to tensors): give --weights")
+        return list(self._cast(dict(found)).items())
+
+    def _cast(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        dtype, reader = self.dtype, self.reader
+        if dtype is None:
+            return state_dict
+        return {
+            name: reader.cast(value, dtype)
+            if reader.is_placeholder(value) and value.is_floating_point() and value.dtype != dtype
+            else value
+            for name, value in state_dict.items()
+        }
+
+    def _at(self, path: str) -> Any:
+        """The value at ``path`` (``a/b/0``: keys and list indices, ``%2F`` for a ``/`` in a key) of the state."""
+        node = self.state
+        for part in path.strip("/").split("/"):
+            name = part.replace("%2F", "/").replace("%25", "%")
+            if isinstance(node, Mapping) and name in node:
+                node = node[name]
+            elif isinstance(node, (list, tuple)) and name.isdigit() and int(name) < len(node):
+                node = node[int(name)]
+            else:
+                raise ConfigError(f"step {self.step} has nothing at {path!r} (no {name!r} there): check the path")
+        return node
+
+
+def _saver(adapter: Any) -> str:
+    return f"the {adapter} adapter" if adapter else "the engine directly"
+
+
+# ---- safetensors ---------------------------------------------------------------------------------------------
+
+
+def _write_safetensors(
+    named: list[tuple[str, Any]],
+    out: str,
+    reader: StepReader,
+    origin: dict[str, Any],
+    done: Exported,
+    max_shard_bytes: int,
+    overwrite: bool,
+    options: dict[str, Any] | None,
+) -> None:
+    not_tensors = [name for name, value in named if not reader.is_placeholder(value)]
+    if not_tensors:
+        raise ConfigError(
+            f"the state dict holds values that are not tensors ({', '.join(not_tensors[:3])}), which safetensors "
+            "cannot store: export it with --format torch"
+        )
+    fs, folder = url_to_fs(out, **(options or {}))
+    earlier = [p for p in fs.glob(f"{folder.rstrip('/')}/model*.safetensors*") if _is_export_file(p)]
+    if earlier and not overwrite:
+        raise ConfigError(f"{out} already holds an export ({os.path.basename(earlier[0])}): pass --overwrite")
+    shards = plan_shards(named, max_shard_bytes)
+    metadata = {METADATA_KEY: json.dumps(origin)}
+    for shard in shards:
+        with atomic_output(_join(out, shard.name), storage_options=options) as stream:
+            write_shard(shard, stream, reader, metadata)
+        done.files.append(_join(out, shard.name))
+        done.tensor_bytes += shard.nbytes
+    if len(shards) > 1:
+        with atomic_output(_join(out, INDEX_FILE), storage_options=options) as stream:
+            stream.write(json.dumps(index(shards), indent=2).encode())
+        done.files.append(_join(out, INDEX_FILE))
+    kept = {os.path.basename(path) for path in done.files}
+    for path in earlier:  # a single file left beside a new index (or the reverse) would be loaded instead
+        if os.path.basename(path) not in kept:
+            fs.rm_file(path)
+
+
+def _is_export_file(path: str) -> bool:
+    name = os.path.basename(path)
+    return name == INDEX_FILE or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def _join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}"
+
+
+# ---- reading a whole step, and writing files atomically -------------------------------------------------------
+
+
+def _committed_entry(tier: Tier, step: int | None) -> catalog.Entry:
+    usable = [e for e in catalog.scan(tier) if e.manifest is not None and e.manifest.is_global]
+    entry = next((e for e in usable if step is None or e.step == step), None)
+    if entry is None:
+        which = "any step" if step is None else f"step {step}"
+        have = ", ".join(str(e.step) for e in usable) or "none"
+        raise NoCheckpointError(
+            f"No committed checkpoint of {which} with every rank's files under {tier.url} (committed: {have})"
+        )
+    return entry
 
 
 def read_committed(
@@ -34,11 +307,10 @@ def read_committed(
     return run_load(entry, plan, group=None, allow_pickle=allow_pickle)
 
 
-def committed_entry(tier: Tier, step: int, *, verify: bool) -> catalog.Entry:
-    """Step ``step`` of ``tier``, committed with every rank's files; ``verify`` checksums every file first."""
-    entry = next((e for e in catalog.scan(tier) if e.step == step and e.committed), None)
-    if entry is None or entry.manifest is None or not entry.manifest.is_global:
-        raise NoCheckpointError(f"No committed checkpoint of step {step} with every rank's files under {tier.url}")
+def committed_entry(tier: Tier, step: int | None, *, verify: bool) -> catalog.Entry:
+    """Step ``step`` (None: the newest) of ``tier``, committed with every rank's files; ``verify`` checksums
+    every file first."""
+    entry = _committed_entry(tier, step)
     if verify:
         catalog.verify(entry, full=True)
     return entry
@@ -47,13 +319,28 @@ def committed_entry(tier: Tier, step: int, *, verify: bool) -> catalog.Entry:
 def write_file_atomically(
     obj: Any, path: str | os.PathLike[str], *, fsync: bool = True, storage_options: dict[str, Any] | None = None
 ) -> None:
-    """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one.
+    """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one."""
+    with atomic_output(path, fsync=fsync, storage_options=storage_options) as stream:
+        torch.save(obj, stream)
 
-    Local paths: a temporary file beside it, flushed, then renamed over it. URLs (fsspec, with
+
+@contextlib.contextmanager
+def atomic_output(
+    path: str | os.PathLike[str],
+    *,
+    fsync: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    overwrite: bool = True,
+) -> Iterator[IO[bytes]]:
+    """A new local file (readable, seekable) that becomes ``path`` once the block ends without an error.
+
+    Local paths: a temporary file beside ``path``, flushed, then renamed over it. URLs (fsspec, with
     ``storage_options``): one upload of a local temporary file, which object stores make visible all at once.
     """
     text = os.fspath(path)
     fs, target = url_to_fs(text, **(storage_options or {}))
+    if not overwrite and fs.exists(target):
+        raise ConfigError(f"{text} exists: pass --overwrite (overwrite=True) or give another path")
     local = "://" not in text or text.startswith("file://")
     directory = os.path.dirname(target) if local else None
     tmp = os.path.join(
@@ -62,8 +349,8 @@ def write_file_atomically(
     if directory:
         os.makedirs(directory, exist_ok=True)
     try:
-        with open(tmp, "wb") as stream:
-            torch.save(obj, stream)
+        with open(tmp, "w+b") as stream:
+            yield stream
             if fsync:
                 stream.flush()
                 os.fsync(stream.fileno())

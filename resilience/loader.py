@@ -346,19 +346,7 @@ def run_load(
     copy = None
     if local is not None and entry.tier is not local:
         copy = LocalCopy(local, local.step_path(entry.step), {f.path: f for f in entry.manifest.files})
-    try:
-        dcp.load(
-            plan.tensors,
-            storage_reader=_VerifiedReader(entry, plan.metadata, copy),
-            process_group=group,
-            no_dist=group is None,
-        )
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
-        kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
-        raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
+    read_tensors(entry, plan.metadata, plan.tensors, group=group, local=copy)
     tensors = plan.tensors
     if plan.layout is not None and plan.packed:
         unpacked = packing.unpack(plan.layout, plan.packed, plan.tensors, plan.pack_targets)
@@ -372,6 +360,31 @@ def run_load(
     if plan.rank_skeleton is not None:
         rank_state = unflatten(plan.rank_skeleton, tensors, allow_pickle=allow_pickle, where=where)
     return Restored(entry.step, state, rank_state, entry.manifest, entry.tier.name, entry.tier.display(entry.path))
+
+
+def read_tensors(
+    entry: Entry,
+    metadata: Metadata,
+    tensors: dict[str, torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    local: LocalCopy | None = None,
+) -> None:
+    """Fill ``tensors`` (DCP keys to targets) from the shards, those ``local`` holds from there; collective when
+    ``group`` is given."""
+    try:
+        dcp.load(
+            tensors,
+            storage_reader=_VerifiedReader(entry, metadata, local),
+            process_group=group,
+            no_dist=group is None,
+        )
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
+        kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
+        raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
 
 
 def _is_transient(exc: BaseException) -> bool:

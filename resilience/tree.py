@@ -36,6 +36,11 @@ def _component(key: object) -> str:
     return str(key).replace("%", "%25").replace("/", "%2F")
 
 
+def tree_key(*path: object) -> str:
+    """The checkpoint key of the tensor at ``path`` in a saved tree (dict keys, list indices): ``a/b/0``."""
+    return "/".join(_component(part) for part in path)
+
+
 class _Flattener:
     def __init__(self, prefix: str):
         self.prefix = prefix
@@ -105,8 +110,8 @@ def flatten(tree: Any, prefix: str = "") -> FlatState:
     return flattener.out
 
 
-def tensor_keys(skeleton: Any) -> list[str]:
-    """Every tensor key a skeleton refers to, in order."""
+def tensor_keys(skeleton: Any, tags: tuple[str, ...] = ("tensor", "ndarray")) -> list[str]:
+    """Every tensor key a skeleton refers to, in order; ``tags``: tensors, numpy arrays (stored as tensors), or both."""
     keys: list[str] = []
 
     def walk(node: Any) -> None:
@@ -114,7 +119,7 @@ def tensor_keys(skeleton: Any) -> list[str]:
             for item in node:
                 walk(item)
         elif isinstance(node, dict):
-            if node.get(TAG) in ("tensor", "ndarray"):
+            if node.get(TAG) in tags:
                 keys.append(node["k"])
             else:
                 for item in node.values():

@@ -1,0 +1,149 @@
+"""A committed step read a few tensors at a time, so that an export needs far less memory than the step.
+
+A resume (``loader.run_load``) allocates every tensor of the step at once. An export only passes each tensor
+through to a file, so here the state tree is rebuilt around placeholders: FakeTensors, which have a shape and a
+dtype but no memory. A writer lays its file out from them, then asks for the real tensors in file order and
+gets them a batch of at most ``budget_bytes`` at a time. Peak memory is about one batch plus twice the largest
+tensor (DCP reads a tensor's bytes before copying them into the target), whatever the size of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from resilience import packing
+from resilience.catalog import Entry
+from resilience.errors import CorruptCheckpointError
+from resilience.loader import load_dcp_metadata, load_packs, load_skeleton, read_tensors
+from resilience.tree import tensor_keys, unflatten
+
+DEFAULT_BUDGET_BYTES = 256 << 20
+
+
+class StepReader:
+    """Placeholders for the tensors of one committed (and already verified) step, and their real values.
+
+    Args:
+        entry: The step.
+        allow_pickle: Decode state values stored as pickles (they run code when decoded).
+        budget_bytes: The most tensor bytes read into memory at once (a larger tensor is read alone).
+        on_bytes: Told how many tensor bytes each batch read.
+    """
+
+    def __init__(
+        self,
+        entry: Entry,
+        *,
+        allow_pickle: bool = False,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.entry = entry
+        self.allow_pickle = allow_pickle
+        self.budget_bytes = max(1, budget_bytes)
+        self.on_bytes = on_bytes
+        self.metadata = load_dcp_metadata(entry)
+        self.layout = load_packs(entry, self.metadata) or packing.PackLayout()
+        self._fake_mode = FakeTensorMode()
+        self._made: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._source: dict[int, tuple[str, torch.dtype]] = {}  # id(placeholder) -> (DCP key, dtype to hand out)
+        self._by_storage: dict[int, torch.Tensor] = {}
+
+    # ---- the tree, with placeholders --------------------------------------------------------------------------
+
+    def tree(self, name: str) -> Any:
+        """The state saved in the JSON file ``name`` (``state.json``, ``rank-<r>.json``), tensors as placeholders.
+
+        Numpy arrays are read for real: the tree holds them as arrays, not tensors (RNG states, small).
+        """
+        skeleton = load_skeleton(self.entry, name)
+        arrays = self._values(tensor_keys(skeleton, tags=("ndarray",)))
+        tensors = {key: self.placeholder(key) for key in tensor_keys(skeleton, tags=("tensor",))}
+        return unflatten(skeleton, {**arrays, **tensors}, allow_pickle=self.allow_pickle, where=self.entry.where())
+
+    def placeholder(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The placeholder of DCP key ``key``, handed out as ``dtype`` (default: as saved); one per pair, so
+        tensors tied in the saved state stay tied."""
+        shape, saved_dtype = self._saved(key)
+        dtype = dtype or saved_dtype
+        made = self._made.get((key, dtype))
+        if made is None:
+            with self._fake_mode:
+                made = torch.empty(shape, dtype=dtype)
+            self._made[(key, dtype)] = made
+            self._source[id(made)] = (key, dtype)
+            self._by_storage[made.untyped_storage()._cdata] = made
+        return made
+
+    def cast(self, placeholder: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The same tensor handed out as ``dtype``."""
+        key, _ = self._source[id(placeholder)]
+        return self.placeholder(key, dtype)
+
+    def is_placeholder(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and id(value) in self._source
+
+    def placeholder_of(self, storage: torch.UntypedStorage) -> torch.Tensor | None:
+        """The placeholder whose storage this is (``torch.save`` reports storages, not tensors)."""
+        return self._by_storage.get(storage._cdata)
+
+    # ---- the real values --------------------------------------------------------------------------------------
+
+    def read(self, placeholders: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(placeholder, its value on CPU), in the order asked, read a batch of ``budget_bytes`` at a time."""
+        batch: list[torch.Tensor] = []
+        size = 0
+        for placeholder in placeholders:
+            nbytes = self._saved_nbytes(placeholder)
+            if batch and size + nbytes > self.budget_bytes:
+                yield from self._read_batch(batch)
+                batch, size = [], 0
+            batch.append(placeholder)
+            size += nbytes
+        if batch:
+            yield from self._read_batch(batch)
+
+    def _read_batch(self, batch: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        values = self._values(dict.fromkeys(self._source[id(p)][0] for p in batch))
+        for placeholder in batch:
+            key, dtype = self._source[id(placeholder)]
+            yield placeholder, values[key].to(dtype)
+
+    def _values(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The saved tensors of ``keys``: DCP entries read as they are, packed ones out of their packs (each pack
+        read whole, once per call: a pack is at most ``pack_bytes``)."""
+        keys = list(keys)
+        packed = [key for key in keys if key in self.layout.slots]
+        targets = {key: self._allocate(key) for key in keys if key not in self.layout.slots}
+        packs = {self.layout.slots[key].pack for key in packed}
+        targets |= {pack: torch.empty(self.layout.sizes[pack], dtype=torch.uint8) for pack in packs}
+        if targets:
+            read_tensors(self.entry, self.metadata, targets)
+        if self.on_bytes is not None:
+            self.on_bytes(sum(t.nbytes for t in targets.values()))
+        values = {key: t for key, t in targets.items() if key not in packs}
+        return values | packing.unpack(self.layout, packed, targets, {})
+
+    def _allocate(self, key: str) -> torch.Tensor:
+        shape, dtype = self._saved(key)
+        return torch.empty(shape, dtype=dtype)
+
+    def _saved_nbytes(self, placeholder: torch.Tensor) -> int:
+        shape, dtype = self._saved(self._source[id(placeholder)][0])
+        return shape.numel() * dtype.itemsize
+
+    def _saved(self, key: str) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the saved tensor ``key``, packed or a DCP entry."""
+        slot = self.layout.slots.get(key)
+        if slot is not None:
+            return torch.Size(slot.shape), slot.dtype
+        saved = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(saved, TensorStorageMetadata):
+            where = self.entry.where()
+            raise CorruptCheckpointError(f"{where}: no tensor {key!r} in DCP metadata", step=self.entry.step)
+        return saved.size, saved.properties.dtype

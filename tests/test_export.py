@@ -1,0 +1,325 @@
+"""``resilience export`` and ``resilience.export.export`` with real files: a Lightning ``.ckpt`` equal to the file
+the adapter's names hold (also where Lightning is not installed), ``torch.save`` state dicts that load into the
+model and optimizer of an Accelerate run, sharded safetensors, bf16 and weights-only exports, memory bounded
+while streaming a state several times larger than the bound, the CLI's exit codes, a durable source, and a plain
+``dcp.load`` of a step folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState, GradientState
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from accelerate_resilience import ResiliencePlugin, attach
+from examples.demo_model import DemoData, DemoModel
+from lightning_resilience import ResilientCheckpointIO
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
+from resilience.cli import main as cli
+from resilience.export import METADATA_KEY, dcp_keys, export
+from tests.helpers import ROOT, WORKERS, base_env
+from tests.workers.accelerate_train import Job, build_job, train
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+# ---- runs to export from ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 steps of the demo model with a full name every 4 steps and a weights-only name at step 8."""
+    root = tmp_path_factory.mktemp("lightning")
+    pl.seed_everything(7)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(root / "ckpt"), keep_last=3, sync_names_below_mb=0.0)],
+        callbacks=[
+            ModelCheckpoint(dirpath=root / "names", filename="full-{step}", every_n_train_steps=4, save_top_k=-1),
+            ModelCheckpoint(
+                dirpath=root / "names", filename="weights-{step}", every_n_train_steps=8, save_weights_only=True
+            ),
+        ],
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(DemoModel(), DemoData())
+    return root
+
+
+@pytest.fixture
+def accelerate_job(tmp_path: Path) -> Iterator[tuple[Job, Path]]:
+    """5 optimizer steps of the Accelerate test job, saved with ``accelerator.save_state()`` at step 5."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)
+    )
+    job = build_job(accelerator)
+    with attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "ckpt"), goodput=False)) as resilience:
+        train(job, resilience, resilience.resume(), stop_at=5)
+    yield job, tmp_path / "ckpt"
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def assert_same(got: Any, want: Any, path: str = "") -> None:
+    """Equal trees: same keys and types, tensors equal bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), path
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), (path, set(got) ^ set(want))
+        for key in want:
+            assert_same(got[key], want[key], f"{path}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), path
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{path}/{index}")
+    else:
+        assert got == want, path
+
+
+# ---- Lightning .ckpt -------------------------------------------------------------------------------------------
+
+
+def test_lightning_export_is_the_file_the_names_hold(lightning_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "step8.ckpt"
+    done = export(str(lightning_run / "ckpt"), str(out), format="lightning", step=8)
+    assert done.files == [str(out)] and done.tensor_bytes > 0
+    exported = torch.load(out, weights_only=True)
+    named = torch.load(lightning_run / "names" / "full-step=8.ckpt", weights_only=True)
+    assert exported.pop(METADATA_KEY)["step"] == named.pop(METADATA_KEY)["step"] == 8
+    assert_same(exported, named)  # model, optimizer, schedulers, loops with the loader position, callbacks
+    assert zipfile.ZipFile(out).testzip() is None  # every record's CRC-32 matches its bytes
+    model = DemoModel.load_from_checkpoint(out)
+    assert torch.equal(model.net[0].weight, named["state_dict"]["net.0.weight"])
+
+
+def test_a_weights_only_bf16_lightning_export(lightning_run: Path, tmp_path: Path) -> None:
+    out, root = tmp_path / "w.ckpt", str(lightning_run / "ckpt")
+    assert cli(["export", f"{root}/step-8", str(out), "--format", "lightning", "--weights-only"]) == EXIT_OK
+    assert cli(["export", root, str(tmp_path / "bf16.ckpt"), "--format", "lightning", "--dtype", "bf16"]) == EXIT_OK
+    weights_only = torch.load(out, weights_only=True)
+    lightnings_own = torch.load(lightning_run / "names" / "weights-step=8.ckpt", weights_only=True)
+    assert set(weights_only) == set(lightnings_own)  # the keys Lightning's save_weights_only=True keeps
+    assert not {"optimizer_states", "lr_schedulers", "callbacks"} & set(weights_only)
+    assert_same(weights_only["state_dict"], lightnings_own["state_dict"])
+    bf16 = torch.load(tmp_path / "bf16.ckpt", weights_only=True)
+    for name, tensor in lightnings_own["state_dict"].items():
+        assert bf16["state_dict"][name].dtype == torch.bfloat16
+        assert torch.equal(bf16["state_dict"][name], tensor.to(torch.bfloat16)), name
+    assert bf16["optimizer_states"][0]["state"][0]["exp_avg"].dtype == torch.float32  # optimizer state as saved
+
+
+def test_the_engine_exports_a_lightning_file_where_lightning_is_not_installed(
+    lightning_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "no-lightning.ckpt"
+    script = f"""
+import sys
+class Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "accelerate"):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (hidden by the test)")
+sys.meta_path.insert(0, Absent())
+from resilience.cli import main
+code = main(["export", {str(lightning_run / "ckpt")!r}, {str(out)!r}, "--format", "lightning"])
+assert not any(m.split(".")[0] in ("lightning", "accelerate") for m in sys.modules), "a framework was imported"
+sys.exit(code)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=base_env(), capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    named = torch.load(lightning_run / "names" / "full-step=8.ckpt", weights_only=True)
+    assert_same(torch.load(out, weights_only=True)["state_dict"], named["state_dict"])
+
+
+# ---- torch.save and safetensors from an Accelerate run ---------------------------------------------------------
+
+
+def test_torch_exports_load_into_the_model_and_optimizer(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
+    job, root = accelerate_job
+    model = job.accelerator.unwrap_model(job.model)
+    export(str(root), str(tmp_path / "weights.pt"), format="torch", weights_only=True)
+    export(str(root), str(tmp_path / "full.pt"), format="torch")
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1))
+    fresh.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))  # strict: exactly the model's keys
+    assert_same(fresh.state_dict(), model.state_dict())
+
+    full = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert full["step"] == 5 and set(full) == {"step", "model", "optimizers", "schedulers", METADATA_KEY}
+    optimizer = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    optimizer.load_state_dict(full["optimizers"][0])
+    assert_same(optimizer.state_dict(), job.optimizer.state_dict())
+    assert full["schedulers"][0] == job.scheduler.state_dict()
+
+
+def test_safetensors_export_single_sharded_and_bf16(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
+    job, root = accelerate_job
+    want = job.accelerator.unwrap_model(job.model).state_dict()
+    out = tmp_path / "hf"
+    export(str(root), str(out), format="safetensors")
+    assert sorted(p.name for p in out.iterdir()) == [SINGLE]
+    assert_same(load_file(out / SINGLE), dict(want))
+    with safe_open(str(out / SINGLE), "pt") as handle:
+        assert handle.metadata()["format"] == "pt"  # what transformers checks before loading
+        assert json.loads(handle.metadata()[METADATA_KEY])["step"] == 5
+
+    with pytest.raises(ValueError, match="--overwrite"):
+        export(str(root), str(out), format="safetensors")
+    # 321 weights are 642 bytes in bf16: a 600-byte limit splits them in two, and the single file goes.
+    done = export(str(root), str(out), format="safetensors", dtype=torch.bfloat16, max_shard_bytes=600, overwrite=True)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX], names
+    index = json.loads((out / INDEX).read_text())
+    assert index["metadata"]["total_size"] == done.tensor_bytes == sum(t.numel() * 2 for t in want.values())
+    loaded: dict[str, torch.Tensor] = {}
+    for name, file in index["weight_map"].items():
+        loaded[name] = load_file(out / file)[name]
+    assert set(loaded) == set(want)
+    for name, tensor in want.items():
+        assert loaded[name].dtype == torch.bfloat16 and torch.equal(loaded[name], tensor.to(torch.bfloat16)), name
+
+
+def test_tied_weights_stay_tied_in_torch_and_are_both_named_in_safetensors(tmp_path: Path) -> None:
+    shared = torch.randn(6, 4)
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt")) as manager:
+        manager.save(2, {"model": {"embed.weight": shared, "head.weight": shared, "head.bias": torch.zeros(6)}})
+    export(str(tmp_path / "ckpt"), str(tmp_path / "tied.pt"), format="torch", weights="model", weights_only=True)
+    back = torch.load(tmp_path / "tied.pt", weights_only=True)
+    assert back["embed.weight"].untyped_storage().data_ptr() == back["head.weight"].untyped_storage().data_ptr()
+    assert torch.equal(back["embed.weight"], shared)
+    export(str(tmp_path / "ckpt"), str(tmp_path / "st"), format="safetensors", weights="model")
+    loaded = load_file(tmp_path / "st" / "model.safetensors")
+    assert torch.equal(loaded["embed.weight"], shared) and torch.equal(loaded["head.weight"], shared)
+    whole = tmp_path / "whole.pt"
+    export(str(tmp_path / "ckpt"), str(whole), format="torch")  # the engine's own tree, as saved
+    assert torch.equal(torch.load(whole, weights_only=True)["state"]["model"]["head.bias"], torch.zeros(6))
+
+
+# ---- streaming ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def big_step(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """512 MiB of weights, 64 tensors of 8 MiB, each filled with its index."""
+    root = tmp_path_factory.mktemp("big") / "ckpt"
+    state = {"model": {f"layer{i}.weight": torch.full((2048, 1024), float(i)) for i in range(64)}}
+    with CheckpointManager(CheckpointConfig(root, fsync=False)) as manager:
+        manager.save(1, state)
+    return root, sum(t.nbytes for t in state["model"].values())
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_an_export_streams_a_state_four_times_larger_than_its_memory_growth(
+    big_step: tuple[Path, int], tmp_path: Path, fmt: str
+) -> None:
+    """Exported with a 16 MiB read budget, the exporting process's peak resident set (the kernel's VmHWM) grows
+    by less than a quarter of the state.
+
+    glibc raises its mmap threshold after large blocks are freed, so later blocks come from a heap that is not
+    given back: the process then grows by more than what it holds at once (about 180 MB for a 1 GiB state with
+    a 32 MiB budget). A fixed threshold (MALLOC_MMAP_THRESHOLD_) measures what the exporter itself holds.
+    """
+    root, size = big_step
+    out = tmp_path / ("big.pt" if fmt == "torch" else "big")
+    ran = subprocess.run(
+        [sys.executable, str(WORKERS / "export_memory.py"), str(root), str(out), fmt, str(16 << 20)],
+        cwd=ROOT,
+        env=base_env({"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert ran.returncode == 0, ran.stderr
+    report = json.loads(ran.stdout.strip().splitlines()[-1])
+    growth = report["peak_bytes"] - report["baseline_bytes"]
+    assert report["tensor_bytes"] == size
+    print(f"{fmt}: peak grew by {growth / 2**20:.0f} MiB exporting {size / 2**20:.0f} MiB")
+    assert growth < size / 4, f"peak grew by {growth / 2**20:.0f} MiB exporting {size / 2**20:.0f} MiB"
+    if fmt == "torch":
+        back = torch.load(out, mmap=True, weights_only=True)["state"]["model"]
+    else:
+        back = load_file(out / "model.safetensors")
+    for i in (0, 31, 63):
+        assert torch.equal(back[f"layer{i}.weight"], torch.full((2048, 1024), float(i)))
+
+
+# ---- the command, and other sources ---------------------------------------------------------------------------
+
+
+def test_export_command_exit_codes(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
+    _, root = accelerate_job
+    out = str(tmp_path / "x.pt")
+    assert cli(["export", str(root / "step-5"), out, "--format", "torch", "--weights-only"]) == EXIT_OK
+    assert cli(["export", str(root), out, "--format", "torch"]) == EXIT_ERROR  # exists, no --overwrite
+    assert cli(["export", str(root), str(tmp_path / "y.ckpt"), "--format", "lightning"]) == EXIT_ERROR
+    assert cli(["export", str(root), str(tmp_path / "y.pt"), "--format", "torch", "--step", "7"]) == EXIT_NOT_FOUND
+    assert cli(["export", str(root), str(tmp_path / "y.pt"), "--format", "torch", "--model", "3"]) == EXIT_ERROR
+    with pytest.raises(SystemExit) as usage:
+        cli(["export", str(root), str(tmp_path / "y.pt")])
+    assert usage.value.code == EXIT_USAGE
+    shard = next((root / "step-5").glob("__*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli(["export", str(root), str(tmp_path / "z.pt"), "--format", "torch"]) == EXIT_FAILED
+    assert not (tmp_path / "z.pt").exists()  # verified first: nothing written from a corrupt step
+
+
+def test_lightning_format_needs_a_lightning_run(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"not Lightning.*--format torch"):
+        export(str(accelerate_job[1]), str(tmp_path / "a.ckpt"), format="lightning")
+
+
+def test_export_from_a_durable_url(tmp_path: Path, s3: dict[str, Any]) -> None:
+    weights = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}
+    config = CheckpointConfig(tmp_path / "local", durable_url=s3["url"], storage_options=s3["options"])
+    with CheckpointManager(config) as manager:
+        manager.save(4, {"model": weights})
+        assert manager.wait(durable=True)
+    option = f"endpoint_url={s3['options']['endpoint_url']}"
+    out = tmp_path / "from-s3.pt"
+    args = ["export", s3["url"], str(out), "--format", "torch", "--weights", "model", "--weights-only"]
+    assert cli([*args, "--storage-option", option]) == EXIT_OK
+    assert_same(torch.load(out, weights_only=True), weights)
+
+
+# ---- DCP users -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pack_tensor_bytes", [0, 1 << 20])
+def test_a_step_folder_loads_with_plain_dcp_under_the_engines_keys(tmp_path: Path, pack_tensor_bytes: int) -> None:
+    """Plain DCP reads a step folder under the engine's keys, except the small tensors packed (by default)."""
+    saved = DemoModel().state_dict()
+    config = CheckpointConfig(tmp_path / "ckpt", pack_tensor_bytes=pack_tensor_bytes)
+    with CheckpointManager(config) as manager:
+        manager.save(8, {"state_dict": saved})
+    step = tmp_path / "ckpt" / "step-8"
+    model = DemoModel()
+    with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: state_dict\.net\.0\.weight"):
+        dcp.load({"state_dict": model.state_dict()}, checkpoint_id=step)  # DCP's "." join is not our "/" path
+    target = model.state_dict()
+    if pack_tensor_bytes:  # the demo model's tensors are all small: packed, not DCP entries of their own
+        with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: state_dict/net\.0\.(weight|bias)"):
+            dcp.load(dcp_keys(target, "state_dict"), checkpoint_id=step)
+        return
+    dcp.load(dcp_keys(target, "state_dict"), checkpoint_id=step)
+    assert_same(dict(target), saved)
