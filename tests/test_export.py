@@ -318,7 +318,8 @@ def test_a_step_folder_loads_with_plain_dcp_under_the_engines_keys(tmp_path: Pat
         dcp.load({"state_dict": model.state_dict()}, checkpoint_id=step)  # DCP's "." join is not our "/" path
     target = model.state_dict()
     if pack_tensor_bytes:  # the demo model's tensors are all small: packed, not DCP entries of their own
-        with pytest.raises(BaseException, match=r"Missing key in checkpoint state_dict: state_dict/net\.0\.(weight|bias)"):
+        packed = r"Missing key in checkpoint state_dict: state_dict/net\.0\.(weight|bias)"
+        with pytest.raises(BaseException, match=packed):
             dcp.load(dcp_keys(target, "state_dict"), checkpoint_id=step)
         return
     dcp.load(dcp_keys(target, "state_dict"), checkpoint_id=step)
