@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -370,6 +371,7 @@ def _serve(address: str, keepalive_fd: int) -> None:
         for key, _ in selector.select():
             if key.data == "parent":  # EOF: the training process is gone; its helpers see it themselves
                 listener.close()
+                shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # the socket's private folder
                 return
             conn = listener.accept()
             if os.fork() == 0:

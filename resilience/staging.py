@@ -22,6 +22,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from resilience.config import CheckpointConfig
 from resilience.packing import PackShare, Slot
+from resilience.shm import create_segment
 
 
 def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
@@ -200,7 +201,7 @@ def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> to
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     try:
-        segment = SharedMemory(create=True, size=nbytes)
+        segment = create_segment(nbytes)
     except OSError as exc:
         raise RuntimeError(
             f"cannot place {nbytes} bytes of checkpoint staging in shared memory ({exc}): enlarge /dev/shm "

@@ -19,9 +19,11 @@ from resilience import (
     CheckpointExistsError,
     CheckpointManager,
     NoCheckpointError,
+    shm,
 )
 from resilience.cli import main as cli
 from resilience.pipeline import Pipeline
+from resilience.staging import SEGMENTS
 from tests.helpers import base_env
 
 
@@ -406,3 +408,35 @@ def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None
         wait_for(lambda: m.pipeline.died is not None)  # type: ignore[union-attr]
         with pytest.raises(CheckpointError, match=r"died.*on_helper_death='raise'"):
             m.save(2, make_state(2))
+
+
+def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path: Path) -> None:
+    """kill -9 of a whole process group (training process, resource tracker, helpers) leaves its /dev/shm
+    segments behind; the next process that stages removes them, and never a segment a live process holds."""
+    script = f"""
+import os, signal, torch
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.staging import SEGMENTS
+os.setpgid(0, 0)
+m = CheckpointManager(CheckpointConfig({str(tmp_path / "killed")!r}, persist="process"))
+m.save(1, {{"w": torch.ones(1000), "b": torch.ones(3_000_000)}})
+m.wait()
+print(" ".join(SEGMENTS.values()), flush=True)
+os.killpg(0, signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9
+    left = done.stdout.split()
+    assert len(left) == 2 and all(name.startswith(shm.PREFIX) for name in left), done.stdout + done.stderr
+    assert all(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in left), "the group kill left nothing"
+    with manager(tmp_path / "alive", persist="process") as m:  # a live manager's segments are locked
+        m.save(1, {"b": torch.ones(3_000_000)})
+        m.wait()
+        live = list(SEGMENTS.values())
+        assert shm.reclaim_orphans(min_age_s=0) >= 12_000_000
+        assert not any(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in left)
+        assert live and all(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in live)
+        m.save(2, {"b": torch.full((3_000_000,), 2.0)})  # the helper still maps the live buffers by name
+        m.wait()
+        restored = m.load(step=2)
+    assert restored is not None and torch.equal(restored.state["b"], torch.full((3_000_000,), 2.0))
