@@ -104,6 +104,9 @@ class WriteSpec:
     packs: bytes | None = None
 
 
+CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
+
+
 class ForkServer:
     """One per training process: a child interpreter with the engine imported, forking a helper per request.
 
@@ -136,7 +139,7 @@ class ForkServer:
                 cls._instance = cls()
             return cls._instance
 
-    def connect(self, timeout_s: float = 120.0) -> Connection:
+    def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
         """A connection to a newly forked helper (waits for the server to be up, the first time)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -183,10 +186,12 @@ class HelperPipeline:
         self._handles: dict[int, SaveHandle] = {}
         self._sent_buffers: dict[str, tuple[str | None, str, tuple[int, ...]]] = {}
         self._closed = threading.Event()
-        self._conn: Connection = ForkServer.get().connect()
-        self._conn.send(settings)
-        kind, self.pid = self._conn.recv()
-        assert kind == "ready"
+        # The helper is connected in the background: the fork server's interpreter takes seconds to import torch,
+        # and a resume, which reads in this process, must not wait for it. Sending waits until it is there.
+        self.pid: int | None = None
+        self._conn: Connection | None = None
+        self._connected = threading.Event()
+        ForkServer.get()  # starts it now, if not running
         self._sender = Worker("resilience-helper-send", self._send_next)
         self._reader = threading.Thread(target=self._read, name="resilience-helper-read", daemon=True)
         self._reader.start()
@@ -203,7 +208,8 @@ class HelperPipeline:
         self._sender.put(job)
 
     def retain(self) -> None:
-        self._send(("retain", sorted(self._protected_steps())))
+        with contextlib.suppress(OSError):  # no helper: its death is reported by the reader
+            self._send(("retain", sorted(self._protected_steps())))
 
     def close(self, timeout: float | None = None) -> bool:
         """Let the helper finish what it was given, then end it; False if it did not within ``timeout``."""
@@ -219,8 +225,10 @@ class HelperPipeline:
 
     def kill(self) -> None:
         """End the helper now (its saves fail); for a restart after a helper of another rank died."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        self._connected.wait(CONNECT_TIMEOUT_S)
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
         self._reader.join(10.0)
 
     def discard_error(self, error: BaseException) -> None:
@@ -270,15 +278,36 @@ class HelperPipeline:
             pass  # the reader sees the helper gone and fails the save
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        self._connected.wait(CONNECT_TIMEOUT_S)
+        if self._conn is None:
+            raise OSError("no checkpoint helper process")
         with self._send_lock:
             self._conn.send(message)
 
     # ---- receiving ---------------------------------------------------------------------------------------------
 
+    def _connect(self) -> Connection | None:
+        try:
+            conn = ForkServer.get().connect(CONNECT_TIMEOUT_S)
+            conn.send(self.settings)
+            kind, pid = conn.recv()
+            if kind != "ready":
+                raise CheckpointError(f"the checkpoint helper answered {kind!r} instead of 'ready'")
+            self.pid, self._conn = pid, conn
+        except Exception as exc:
+            self._connected.set()
+            self._helper_died(f"the checkpoint helper process could not be started: {describe(exc)}")
+            return None
+        self._connected.set()  # waiters see either a connection or, above, a death
+        return conn
+
     def _read(self) -> None:
+        conn = self._connect()
+        if conn is None:
+            return
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
             kind = message[0]
