@@ -23,7 +23,8 @@ rounds as in ``bench_lightning --mode added``: added wall time per save = (the r
 no-save run's) / saves, and the same from CPU time: user + system seconds of the training process (all threads)
 and of every process it started, live or exited, so our helper process (``persist="process"``) counts; see
 ``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default 3) after an untimed warm-up round of one
-short run per variant.
+short run per variant, and the split into a once-per-run part (``attach()``: the engine and its helper) and a
+per-save part.
 
     .venv/bin/python -m benchmarks.bench_accelerate [--layers 8] [--width 4096] [--repeats 5] [--dir DIR]
     .venv/bin/python -m benchmarks.bench_accelerate --mode added [--size-gb 1.6] [--steps 16] [--every 4 8]
@@ -171,10 +172,11 @@ def added(args: argparse.Namespace) -> None:
         floor=FLOOR,
         rival=SAVE_STATE,
         ours=[v for v in (OURS_ASYNC, OURS_SYNC) if v in variants],
-    )
-    report.add(
-        "- Accelerate's files go to the page cache without fsync; ours fsyncs before it commits; the floor "
-        "writes nothing."
+        notes=[
+            "A run spans `attach()` (ours), the loop and the wait for its last save (committed, for ours). "
+            "Accelerate's files go to the page cache without fsync; ours fsyncs before it commits; the floor "
+            "writes nothing."
+        ],
     )
     report.print()
 

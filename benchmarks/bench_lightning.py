@@ -26,10 +26,13 @@ our engine persists in by default (``persist="process"``) included, whether stil
 descendants) or exited (``RUSAGE_CHILDREN``, and the fork server's own reaped children); see
 ``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default 3) after an untimed warm-up round of one
 short fit per variant (the helper's fork server starts, buffers are allocated, pages are faulted in). Our
-engine's per-fit start (manager, helper process) is inside the fit and so shared out over its saves. With
-ModelCheckpoint, ours writes each checkpoint twice: the engine's committed step, then (in the background, after
-the commit) the ``.ckpt`` file at the name Lightning asks for; ``--variants ours-periodic`` adds ours saving
-through ``PeriodicCheckpoint`` instead, which makes no names.
+engine's per-fit start (manager, helper process) is inside the fit and so shared out over its saves; a last
+table splits each variant's added time into a once-per-fit part and a per-save part, by a least-squares line
+through the intervals' medians against their saves per fit. With ModelCheckpoint, ours writes each checkpoint
+twice: the engine's committed step, then, from it, the ``.ckpt`` file at the name Lightning asks for (after the
+commit: in the background at 64 MB of tensors and more, ``sync_names_below_mb``, before ``save_checkpoint``
+returns below that, so at smoke sizes ours waits for every commit); ``--variants ... ours-periodic`` adds ours
+saving through ``PeriodicCheckpoint``, which makes no names.
 
     .venv/bin/python -m benchmarks.bench_lightning --mode blocking [--size-gb 1.6] [--saves 4] [--repeats 1]
     .venv/bin/python -m benchmarks.bench_lightning --mode throughput [--size-gb 0.4] [--steps 100] [--every 10]
@@ -390,11 +393,12 @@ def added(args: Any, model: Net, root: Path, report: Report) -> None:
         floor=FLOOR,
         rival=ASYNC_IO,
         ours=[v for v in (ASYNC, SYNC, PERIODIC) if v in variants],
-    )
-    report.add(
-        "- Fit wall time runs from the `fit()` call to the last save complete (committed, for ours, and its "
-        "`.ckpt` name written). TorchCheckpointIO's and AsyncCheckpointIO's `.ckpt` files go to the page cache "
-        "without fsync; ours fsyncs its step and its name; the floor writes nothing."
+        notes=[
+            "A run is one `Trainer.fit()`; its wall time runs from the `fit()` call to the last save complete "
+            "(committed, for ours, and its `.ckpt` name written). TorchCheckpointIO's and AsyncCheckpointIO's "
+            "`.ckpt` files go to the page cache without fsync; ours fsyncs its step and its name; the floor "
+            "writes nothing."
+        ],
     )
 
 

@@ -287,6 +287,7 @@ def report_added(
     floor: str,
     rival: str,
     ours: Sequence[str],
+    notes: Sequence[str] = (),
 ) -> None:
     """A table per save interval of what each variant adds per save, wall and CPU, and ours against the others."""
     for every, by_variant in fits.items():
@@ -297,6 +298,46 @@ def report_added(
         "(all threads) and of every process it started, live or exited (our helper process included; "
         "`common.cpu_seconds`), over the same span as the wall time. A negative value: that save cost less than "
         "the noise between two runs."
+    )
+    for note in notes:
+        report.add(f"- {note}")
+    _report_fixed_and_marginal(report, fits, no_saves)
+
+
+def _report_fixed_and_marginal(
+    report: Report, fits: Mapping[int, Mapping[str, Sequence[Sample]]], no_saves: str
+) -> None:
+    """Split each variant's added time into a per-run part and a per-save part, by how it grows with the saves.
+
+    Per interval, the median over rounds of (run - no-save run) against the saves per run; a least-squares line
+    through those points: its intercept is what a run pays once (our engine's start, its helper process), its
+    slope what each further save adds. Needs two intervals with different save counts.
+    """
+    intervals = list(fits)
+    variants = [v for v in fits[intervals[0]] if v != no_saves]
+    saves = {v: [Stats.of(f["saves"] for f in fits[n][v]).median for n in intervals] for v in variants}
+    if not variants or any(len(set(counts)) < 2 for counts in saves.values()):
+        return
+
+    def line(variant: str, key: str) -> tuple[float, float]:
+        xs = saves[variant]
+        ys = [
+            Stats.of(f[key] - b[key] for f, b in zip(fits[n][variant], fits[n][no_saves], strict=True)).median
+            for n in intervals
+        ]
+        per_save = slope(xs, ys)
+        return statistics.fmean(ys) - per_save * statistics.fmean(xs), per_save
+
+    report.heading("Once per run, and per save (least-squares over the intervals)")
+    rows = []
+    for v in variants:
+        (wall_once, wall_each), (cpu_once, cpu_each) = line(v, "wall"), line(v, "cpu")
+        rows.append([v, f"{wall_once:.3f}", f"{wall_each:.3f}", f"{cpu_once:.3f}", f"{cpu_each:.3f}"])
+    report.table(["variant", "wall once per run", "wall per save", "CPU once per run", "CPU per save"], rows)
+    report.add(
+        "- A line through each interval's median added time (run - no-save run) against its saves per run: the "
+        "intercept is paid once per run (our engine's start and its helper process, a first allocation), the "
+        "slope by every save. Saves closer together can also queue behind each other, which the slope holds too."
     )
 
 
