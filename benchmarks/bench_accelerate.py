@@ -1,18 +1,40 @@
-"""How long a save stops training: ``accelerator.save_state`` next to the resilience handle, same state, one run.
+"""Accelerate: how long a save stops training (``--mode blocking``), and what saves add to a training loop
+(``--mode added``).
 
-The state is a model of ``--layers`` x Linear(width, width) with Adam's moments materialized (default 8 x 4096:
-about 1.6 GB of parameters plus optimizer state), in a single CPU process. Three saves take turns, in an order
-that rotates each turn: Accelerate's, and the handle's with synchronous and with asynchronous staging. Blocking =
-until the call returns; host copy done = until the state may change again; committed = until the checkpoint is
-complete on disk. The first turn is reported apart: the engine allocates its reused host buffers then.
+--mode blocking (the default): the state is a model of ``--layers`` x Linear(width, width) with Adam's moments
+materialized (default 8 x 4096: about 1.6 GB of parameters plus optimizer state), in a single CPU process. Three
+saves take turns, in an order that rotates each turn: Accelerate's, and the handle's with synchronous and with
+asynchronous staging. Blocking = until the call returns; host copy done = until the state may change again;
+committed = until the checkpoint is complete on disk. The first turn is reported apart: the engine allocates its
+reused host buffers then.
+
+--mode added: a plain Accelerate training loop (``Accelerator(cpu=True)``, one process) of --steps steps (default
+16) over the model of the Lightning benchmark (8 x Linear(w, w) + Adam, w from --size-gb; 1.6 GB gives w =
+4096), batch 8 of synthetic data. Every N steps (each N of --every, default 4 and 8) the loop calls
+``accelerator.save_state()``, with ``ProjectConfiguration(project_dir=..., automatic_checkpoint_naming=True)``:
+Accelerate's own save (safetensors and ``torch.save`` files in ``checkpoints/checkpoint_<i>``), or, for ours,
+the same call after ``attach(accelerator, ResiliencePlugin(...))``, which routes it to ``resilience.save()``
+(asynchronous staging, the plugin's default, or synchronous; checkpoints in ``<project_dir>/resilience``). Next
+to them: the floor (the same points copy every tensor into buffers allocated once, and write nothing) and the
+same loop without saves. A run's wall time spans ``attach`` (ours; the others start at the same point), the loop,
+and the wait until its last save is complete: ``resilience.wait()`` (committed; ``close()``, after the clock
+stops, ends its helper process); Accelerate's save is complete when it returns (not synced to disk). Paired
+rounds as in ``bench_lightning --mode added``: added wall time per save = (the run's wall time - the same round's
+no-save run's) / saves, and the same from CPU time: user + system seconds of the training process (all threads)
+and of every process it started, live or exited, so our helper process (``persist="process"``) counts; see
+``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default 3) after an untimed warm-up round of one
+short run per variant, and the split into a once-per-run part (``attach()``: the engine and its helper) and a
+per-save part.
 
     .venv/bin/python -m benchmarks.bench_accelerate [--layers 8] [--width 4096] [--repeats 5] [--dir DIR]
+    .venv/bin/python -m benchmarks.bench_accelerate --mode added [--size-gb 1.6] [--steps 16] [--every 4 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import shutil
@@ -27,9 +49,37 @@ import accelerate
 import psutil
 import torch
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_resilience import ResilienceHandle, ResiliencePlugin, attach
-from benchmarks.common import build
+from benchmarks.common import (
+    DEFAULT_SIZE_GB,
+    LAYERS,
+    HostCopy,
+    Report,
+    Sample,
+    build,
+    cpu_seconds,
+    model_state,
+    now,
+    paired_rounds,
+    report_added,
+    scratch,
+    setup_torch,
+    tensors_in,
+    width_for,
+)
+
+BATCH = 8
+NO_SAVES, SAVE_STATE, OURS_ASYNC, OURS_SYNC, FLOOR = (
+    "no saves",
+    "accelerator.save_state (Accelerate's own)",
+    "ours: attach(), async staging (the plugin's default)",
+    "ours: attach(), sync staging",
+    "floor: copy into preallocated buffers",
+)
+ADDED_KEYS = {"save-state": SAVE_STATE, "ours-async": OURS_ASYNC, "ours-sync": OURS_SYNC, "floor": FLOOR}
 
 
 def accelerate_save(accelerator: Accelerator, folder: Path) -> tuple[float, float, float]:
@@ -55,13 +105,105 @@ def seconds(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, every: int) -> Sample:
+    """One training loop of ``steps`` steps saving every ``every``: wall and CPU seconds, saves made."""
+    directory = Path(tempfile.mkdtemp(prefix="added-", dir=root))
+    width = model[0].in_features
+    accelerator = Accelerator(
+        cpu=True, project_config=ProjectConfiguration(project_dir=str(directory), automatic_checkpoint_naming=True)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)  # fresh moments every run, as in a new fit
+    data = DataLoader(TensorDataset(torch.randn(steps * BATCH, width)), batch_size=BATCH)
+    net, optimizer, data = accelerator.prepare(model, optimizer, data)
+    floor = HostCopy() if variant == FLOOR else None
+    gc.collect()
+    wall, cpu = now(), cpu_seconds()
+    resilience = None
+    if variant in (OURS_ASYNC, OURS_SYNC):
+        resilience = attach(accelerator, ResiliencePlugin(keep_last=2, async_staging=variant == OURS_ASYNC))
+    saves = 0
+    for step, (batch,) in enumerate(data, start=1):
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(net(batch).square().mean())
+        optimizer.step()
+        if step % every or variant == NO_SAVES:
+            continue
+        saves += 1
+        if floor is not None:
+            floor.copy(tensors_in(model_state(model, optimizer)))
+        else:
+            accelerator.save_state()  # ours once attached: resilience.save(), in the background
+    if resilience is not None:
+        resilience.wait()  # the last save committed
+    wall, cpu = now() - wall, cpu_seconds() - cpu
+    if resilience is not None:
+        if resilience.manager.stats.saves != saves:
+            raise RuntimeError(f"{variant}: {resilience.manager.stats.saves} saves made, {saves} asked for")
+        resilience.close()
+    accelerator.free_memory()
+    del accelerator, optimizer, net, data, resilience
+    gc.collect()
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "saves": saves}
+
+
+def added(args: argparse.Namespace) -> None:
+    setup_torch(args.threads)
+    width = width_for(args.size_gb)
+    model, _, size = build(LAYERS, width)
+    variants = [ADDED_KEYS[key] for key in args.variants]
+    names = [NO_SAVES, *variants]
+    report = Report(
+        "Accelerate: added wall time per save in a training loop (issue 4)",
+        f"{LAYERS} x Linear({width}, {width}) + Adam = {size / 1e9:.2f} GB, batch {BATCH}, Accelerator(cpu=True), "
+        f"one process; {args.steps} steps per run, accelerator.save_state() every N steps for N in "
+        f"{', '.join(map(str, args.every))}; {args.rounds} paired round(s) after a warm-up round, variants in "
+        "rotating order; median [IQR] in seconds",
+    )
+    with scratch(args.dir, "accelerate") as root:
+        for variant in names:  # warm-up: one short run each, one save; first-run costs are not any variant's
+            added_run(model, variant, root, min(args.every), min(args.every))
+        fits = paired_rounds(names, args.every, args.rounds, lambda v, n: added_run(model, v, root, args.steps, n))
+    report_added(
+        report,
+        fits,
+        steps=args.steps,
+        no_saves=NO_SAVES,
+        floor=FLOOR,
+        rival=SAVE_STATE,
+        ours=[v for v in (OURS_ASYNC, OURS_SYNC) if v in variants],
+        notes=[
+            "A run spans `attach()` (ours), the loop and the wait for its last save (committed, for ours). "
+            "Accelerate's files go to the page cache without fsync; ours fsyncs before it commits; the floor "
+            "writes nothing."
+        ],
+    )
+    report.print()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--width", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=5, help="timed turns after the first")
+    parser.add_argument("--mode", choices=("blocking", "added"), default="blocking")
+    parser.add_argument("--layers", type=int, default=8, help="blocking: layers (default %(default)s)")
+    parser.add_argument("--width", type=int, default=4096, help="blocking: layer width (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5, help="blocking: timed turns after the first")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--size-gb", type=float, default=DEFAULT_SIZE_GB, help="added: model + Adam state, GB")
+    parser.add_argument("--steps", type=int, default=16, help="added: steps per run (default %(default)s)")
+    parser.add_argument("--every", type=int, nargs="+", default=[4, 8], help="added: steps between saves")
+    parser.add_argument("--rounds", type=int, default=3, help="added: paired rounds after a warm-up (default 3)")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(ADDED_KEYS),
+        default=list(ADDED_KEYS),
+        help="added: variants besides the no-save run (default %(default)s)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="added: torch intra-op threads (default 1)")
     args = parser.parse_args()
+    if args.mode == "added":
+        added(args)
+        return
 
     root = Path(tempfile.mkdtemp(prefix="bench-accelerate-", dir=args.dir))
     model, optimizer, nbytes = build(args.layers, args.width)

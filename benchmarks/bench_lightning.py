@@ -14,9 +14,29 @@ to complete, so each save is timed on a quiet machine; the first save of a fit (
 buffers) is reported apart.
 --mode throughput: 100 steps with a save every 10 (at steps 5, 15, ..., 95, so each save's background work
 falls inside the run), next to the same fit without saves; the fit's end waits for the last save.
+--mode added: what a save adds to a real fit, wall time and CPU time. Each fit is ``Trainer.fit()`` of --steps
+steps (default 16) with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`` for each N of --every (default
+4 and 8), so a fit makes steps // N saves. A fit's wall time runs from the ``fit()`` call until it has returned
+and its last save is complete: Lightning's teardown waits for AsyncCheckpointIO's thread and for our engine's
+commit and ``.ckpt`` names; ``drain`` then confirms it. Paired rounds: a round holds, for each N, one fit of every
+variant and one fit without saves, in an order that rotates from turn to turn; a variant's added wall time per
+save in that round is (its fit's wall time - the same round's no-save fit's) / its saves. The same from CPU time:
+user + system seconds of the training process (all threads) and of every process it started, the helper process
+our engine persists in by default (``persist="process"``) included, whether still running (psutil, live
+descendants) or exited (``RUSAGE_CHILDREN``, and the fork server's own reaped children); see
+``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default 3) after an untimed warm-up round of one
+short fit per variant (the helper's fork server starts, buffers are allocated, pages are faulted in). Our
+engine's per-fit start (manager, helper process) is inside the fit and so shared out over its saves; a last
+table splits each variant's added time into a once-per-fit part and a per-save part, by a least-squares line
+through the intervals' medians against their saves per fit. With ModelCheckpoint, ours writes each checkpoint
+twice: the engine's committed step, then, from it, the ``.ckpt`` file at the name Lightning asks for (after the
+commit: in the background at 64 MB of tensors and more, ``sync_names_below_mb``, before ``save_checkpoint``
+returns below that, so at smoke sizes ours waits for every commit); ``--variants ... ours-periodic`` adds ours
+saving through ``PeriodicCheckpoint``, which makes no names.
 
     .venv/bin/python -m benchmarks.bench_lightning --mode blocking [--size-gb 1.6] [--saves 4] [--repeats 1]
     .venv/bin/python -m benchmarks.bench_lightning --mode throughput [--size-gb 0.4] [--steps 100] [--every 10]
+    .venv/bin/python -m benchmarks.bench_lightning --mode added [--size-gb 1.6] [--steps 16] [--every 4 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,6 +44,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,7 +54,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,17 +63,20 @@ from benchmarks.common import (
     HostCopy,
     Report,
     Stats,
+    cpu_seconds,
     now,
+    paired_rounds,
     parse,
     parser,
     ratio,
+    report_added,
     rotated,
     scratch,
     tensors_in,
     verdict,
     width_for,
 )
-from lightning_resilience import ResilientCheckpointIO
+from lightning_resilience import PeriodicCheckpoint, ResilientCheckpointIO
 
 BATCH = 8
 NO_SAVES, TORCH_IO, ASYNC_IO, SYNC, ASYNC, FLOOR = (
@@ -63,6 +87,7 @@ NO_SAVES, TORCH_IO, ASYNC_IO, SYNC, ASYNC, FLOOR = (
     "ours, async staging",
     "floor: copy into preallocated buffers",
 )
+PERIODIC = "ours, async staging, PeriodicCheckpoint (no .ckpt names)"
 
 
 class Net(pl.LightningModule):
@@ -124,7 +149,17 @@ PLUGINS: dict[str, Callable[[Path], CheckpointIO | None]] = {
     SYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2),
     ASYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
     FLOOR: lambda root: HostCopyIO(),
+    PERIODIC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
 }
+ADDED_KEYS = {
+    "torch": TORCH_IO,
+    "async-io": ASYNC_IO,
+    "ours-sync": SYNC,
+    "ours-async": ASYNC,
+    "floor": FLOOR,
+    "ours-periodic": PERIODIC,
+}
+ADDED_DEFAULT = ("torch", "async-io", "ours-sync", "ours-async", "floor")
 
 
 def staging_wait(io: CheckpointIO) -> float:
@@ -193,7 +228,7 @@ def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], dra
 
 
 def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
-    variants = [v for v in PLUGINS if v != NO_SAVES]
+    variants = [v for v in PLUGINS if v not in (NO_SAVES, PERIODIC)]
     fit(model, NO_SAVES, root, 3, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
     first: dict[str, list[float]] = {v: [] for v in variants}
     later: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -242,10 +277,11 @@ def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
 
 def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
     save_at = set(range(args.every // 2, args.steps + 1, args.every))
-    runs: dict[str, list[TimedSaves]] = {v: [] for v in PLUGINS}
+    variants = [v for v in PLUGINS if v != PERIODIC]
+    runs: dict[str, list[TimedSaves]] = {v: [] for v in variants}
     fit(model, NO_SAVES, root, args.every, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
     for round_ in range(args.repeats):
-        for variant in rotated(list(PLUGINS), round_):
+        for variant in rotated(variants, round_):
             runs[variant].append(fit(model, variant, root, args.steps, save_at, drain_each=False))
 
     def rate(variant: str) -> Stats:
@@ -284,7 +320,7 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
                 cpu(v).fmt(3),
                 f"{ratio(base_cpu, cpu(v).median):.3f}",
             ]
-            for v in PLUGINS
+            for v in variants
         ],
     )
     for v in (ASYNC, SYNC):
@@ -302,30 +338,126 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
     )
 
 
+class CountedCheckpoint(ModelCheckpoint):
+    """ModelCheckpoint counting the saves it makes."""
+
+    saves = 0
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        self.saves += 1
+        super()._save_checkpoint(trainer, filepath)
+
+
+def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> dict[str, float]:
+    """One whole ``Trainer.fit()`` of ``steps`` steps saving every ``every``: wall and CPU seconds, saves made."""
+    directory = Path(tempfile.mkdtemp(prefix="added-", dir=root))
+    io = PLUGINS[variant](directory)
+    callbacks: list[pl.Callback] = []
+    if variant == PERIODIC:
+        callbacks.append(PeriodicCheckpoint(every_n_steps=every))
+    elif variant != NO_SAVES:
+        callbacks.append(CountedCheckpoint(dirpath=directory / "names", every_n_train_steps=every, save_top_k=-1))
+    run = trainer(steps, directory, plugins=[io] if io is not None else None, callbacks=callbacks)
+    data = loader(model.width, steps)
+    gc.collect()
+    wall, cpu = now(), cpu_seconds()
+    run.fit(model, data)
+    manager = getattr(io, "_manager", None)  # our engine, which outlives the fit (its teardown drained it)
+    if manager is not None:
+        manager.drain()
+    elif io is not None:
+        drain(io)
+    wall, cpu = now() - wall, cpu_seconds() - cpu
+    if manager is not None:
+        saves = manager.stats.saves
+        manager.close()  # ends its helper process and frees its shared-memory buffers (the plugin keeps them)
+    else:
+        saves = sum(c.saves for c in callbacks if isinstance(c, CountedCheckpoint))
+    del run, io, manager
+    gc.collect()
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"wall": wall, "cpu": cpu, "saves": saves}
+
+
+def added(args: Any, model: Net, root: Path, report: Report) -> None:
+    variants = [ADDED_KEYS[key] for key in args.variants]
+    names = [NO_SAVES, *variants]
+    for variant in names:  # warm-up: one short fit each, one save; first-fit costs are not any variant's
+        added_fit(model, variant, root, min(args.every), min(args.every))
+    fits = paired_rounds(names, args.every, args.rounds, lambda v, n: added_fit(model, v, root, args.steps, n))
+    report_added(
+        report,
+        fits,
+        steps=args.steps,
+        no_saves=NO_SAVES,
+        floor=FLOOR,
+        rival=ASYNC_IO,
+        ours=[v for v in (ASYNC, SYNC, PERIODIC) if v in variants],
+        notes=[
+            "A run is one `Trainer.fit()`; its wall time runs from the `fit()` call to the last save complete "
+            "(committed, for ours, and its `.ckpt` name written). TorchCheckpointIO's and AsyncCheckpointIO's "
+            "`.ckpt` files go to the page cache without fsync; ours fsyncs its step and its name; the floor "
+            "writes nothing."
+        ],
+    )
+
+
 def main() -> None:
     p = parser(__doc__, size_gb=None, repeats=1)
-    p.add_argument("--mode", choices=("blocking", "throughput"), required=True)
+    p.add_argument("--mode", choices=("blocking", "throughput", "added"), required=True)
     p.add_argument("--saves", type=int, default=4, help="blocking: saves per fit (default %(default)s)")
-    p.add_argument("--steps", type=int, default=100, help="throughput: steps per fit (default %(default)s)")
-    p.add_argument("--every", type=int, default=10, help="throughput: steps between saves (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="throughput, added: steps per fit (default 100, 16)")
+    p.add_argument(
+        "--every",
+        type=int,
+        nargs="+",
+        default=None,
+        help="steps between saves: throughput one value (default 10); added one or more (default 4 8)",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="added: paired rounds after a warm-up (default %(default)s)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(ADDED_KEYS),
+        default=list(ADDED_DEFAULT),
+        help="added: variants besides the no-save fit (default %(default)s)",
+    )
     args = parse(p)
-    args.size_gb = args.size_gb or (1.6 if args.mode == "blocking" else 0.4)
+    args.size_gb = args.size_gb or {"blocking": 1.6, "throughput": 0.4, "added": 1.6}[args.mode]
+    args.steps = args.steps or (16 if args.mode == "added" else 100)
+    if args.mode == "added":
+        args.every = args.every or [4, 8]
+    elif args.every and len(args.every) > 1:
+        p.error("--every takes one value in this mode")
+    else:
+        args.every = args.every[0] if args.every else 10
     width = width_for(args.size_gb)
     model = Net(width)
     size = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # values and Adam's two moments
-    what = (
-        f"{args.saves} saves per fit, every 2nd step, each waited for at the end of the next step"
-        if args.mode == "blocking"
-        else f"{args.steps} steps per fit, a save every {args.every} steps"
-    )
+    if args.mode == "blocking":
+        what = (
+            f"{args.saves} saves per fit, every 2nd step, each waited for at the end of the next step; "
+            f"{args.repeats} round(s)"
+        )
+    elif args.mode == "throughput":
+        what = f"{args.steps} steps per fit, a save every {args.every} steps; {args.repeats} round(s)"
+    else:
+        what = (
+            f"{args.steps} steps per fit, ModelCheckpoint(every_n_train_steps=N, save_top_k=-1) for N in "
+            f"{', '.join(map(str, args.every))}; {args.rounds} paired round(s) after a warm-up round"
+        )
+    title = {
+        "blocking": "blocking time per save",
+        "throughput": "training throughput",
+        "added": "added wall time per save in a real fit",
+    }[args.mode]
     report = Report(
-        f"Lightning: {'blocking time per save' if args.mode == 'blocking' else 'training throughput'} (issue 3)",
+        f"Lightning: {title} (issue 3)",
         f"LightningModule of {LAYERS} x Linear({width}, {width}) + Adam = {size / 1e9:.2f} GB, batch {BATCH}, "
-        f"Trainer(accelerator='cpu'); {what}; {args.repeats} round(s), variants in rotating order; "
-        "median [IQR] in seconds",
+        f"Trainer(accelerator='cpu'); {what}, variants in rotating order; median [IQR] in seconds",
     )
     with scratch(args.dir, "lightning") as root:
-        (blocking if args.mode == "blocking" else throughput)(args, model, root, report)
+        {"blocking": blocking, "throughput": throughput, "added": added}[args.mode](args, model, root, report)
     report.print()
 
 

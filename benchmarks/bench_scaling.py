@@ -1,8 +1,15 @@
 """Scaling: how the cost of a save grows with bytes, with tensor count, and the cost of planning with ranks.
 
 1. Bytes: flat states of 48 fp32 tensors of 0.1, 0.4 and 1.6 GB (--sizes-gb), each saved by its own
-   CheckpointManager (synchronous staging): blocking time and time to commit, sizes in rotating order.
-2. Tensor count: 100 and 10,000 tensors (--counts) of the same total bytes (--count-gb).
+   CheckpointManager (synchronous staging; the background half in its helper process, the default
+   ``persist="process"``): blocking time and time to commit (from ``save()`` to the local commit), sizes in
+   rotating order.
+2. Tensor count: 100, 1,000 and 10,000 tensors (--counts) of the same total bytes (--count-gb), once with the
+   default ``pack_tensor_bytes`` (packing on: tensors under 1 MiB are laid into shared flat buffers) and once
+   with ``pack_tensor_bytes=0`` (packing off: every tensor a DCP item of its own); --packing picks either or
+   both. Each (count, packing) pair has its own manager; the two packings save the same tensors. The slope of
+   time to commit over the count is the commit cost per 1,000 tensors; the goal is at most 0.1 s per 1,000
+   tensors with packing on.
 3. Ranks: 1, 2 and 4 processes (--ranks; gloo, all on this machine) each holding the same replicated state of
    --plan-tensors small tensors, as DDP ranks do. DCP planning is timed from the ``dcp.save``/``dcp.load`` call
    to the first ``write_data``/``read_data`` call (every step before any byte moves: local plans, the gather
@@ -11,7 +18,8 @@
 
 Slopes are least-squares fits: seconds per GB, per 1,000 tensors, per added rank.
 
-    .venv/bin/python -m benchmarks.bench_scaling [--sizes-gb 0.1 0.4 1.6] [--count-gb 0.4] [--repeats 3]
+    .venv/bin/python -m benchmarks.bench_scaling [--sizes-gb 0.1 0.4 1.6] [--count-gb 0.4] [--counts 100 1000 10000]
+        [--packing on off] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -39,10 +47,13 @@ from benchmarks.common import (
     scratch,
     slope,
     tensor_state,
+    verdict,
 )
 from resilience import CheckpointConfig, CheckpointManager
 
 SIZE_TENSORS = 48  # as many as the 8-layer model with Adam has
+PACKING = {"on": {}, "off": {"pack_tensor_bytes": 0}}  # settings beyond the defaults
+PER_1000_GOAL_S = 0.1  # time to commit per 1,000 tensors with packing on
 
 
 def save_turn(manager: CheckpointManager, state: dict[str, Any], steps: itertools.count[int]) -> Sample:
@@ -54,11 +65,19 @@ def save_turn(manager: CheckpointManager, state: dict[str, Any], steps: itertool
     return {"block": block, "commit": now() - start}
 
 
-def grow(states: dict[str, dict[str, Any]], root: Path, repeats: int) -> dict[str, list[Sample]]:
-    """Save every state in turns, each through a manager of its own (its own reused buffers)."""
+def grow(
+    states: dict[str, dict[str, Any]],
+    root: Path,
+    repeats: int,
+    settings: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, list[Sample]]:
+    """Save every state in turns, each through a manager of its own (its own reused buffers); ``settings``:
+    CheckpointConfig fields per state beyond the defaults."""
     steps = itertools.count(1)
     managers = {
-        name: CheckpointManager(CheckpointConfig(local_root=root / f"m{i}", keep_last=2))
+        name: CheckpointManager(
+            CheckpointConfig(local_root=root / f"m{i}", keep_last=2, **(settings or {}).get(name, {}))
+        )
         for i, name in enumerate(states)
     }
 
@@ -132,7 +151,14 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 0.4, 1.6])
     p.add_argument("--count-gb", type=float, default=0.4, help="bytes of the tensor-count states (default 0.4)")
-    p.add_argument("--counts", type=int, nargs=2, default=[100, 10_000])
+    p.add_argument("--counts", type=int, nargs="+", default=[100, 1_000, 10_000], help="tensor counts")
+    p.add_argument(
+        "--packing",
+        nargs="+",
+        choices=list(PACKING),
+        default=list(PACKING),
+        help="tensor count: with packing on (default pack_tensor_bytes), off (pack_tensor_bytes=0), or both",
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--plan-tensors", type=int, default=2_000, help="tensors of the rank-scaling state (default 2,000)")
     p.add_argument("--plan-gb", type=float, default=0.02, help="bytes of the rank-scaling state (default 0.02)")
@@ -147,7 +173,9 @@ def main() -> None:
 
     report = Report(
         "Scaling: bytes, tensor count, ranks (item 10)",
-        f"one CPU process, synchronous staging, fsync; {args.repeats} rounds after a warm-up round, in "
+        f"one CPU process, synchronous staging, fsync, helper process (persist='process'); tensor count "
+        f"{', '.join(map(str, args.counts))} at {args.count_gb} GB, packing {'/'.join(args.packing)}; "
+        f"{args.repeats} rounds after a warm-up round, in "
         f"rotating order; rank scaling: {args.plan_tensors} tensors, {args.plan_gb} GB, replicated on every "
         f"rank, {args.rank_repeats} repeats after a warm-up; median [IQR] in seconds",
     )
@@ -155,10 +183,13 @@ def main() -> None:
         sized = grow(
             {f"{gb} GB": tensor_state(int(gb * GB), SIZE_TENSORS) for gb in args.sizes_gb}, root / "bytes", args.repeats
         )
+        by_count = {n: tensor_state(int(args.count_gb * GB), n) for n in args.counts}
+        counted_names = {(n, packing): f"{n} tensors, packing {packing}" for packing in args.packing for n in by_count}
         counted = grow(
-            {f"{n} tensors": tensor_state(int(args.count_gb * GB), n) for n in args.counts},
+            {name: by_count[n] for (n, _), name in counted_names.items()},
             root / "count",
             args.repeats,
+            {name: PACKING[packing] for (_, packing), name in counted_names.items()},
         )
         per_ranks = {}
         for ranks in args.ranks:
@@ -182,18 +213,27 @@ def main() -> None:
         f"- Slope: blocking {slope(gbs, [column(r, 'block').median for r in sized.values()]):.3f} s per GB, "
         f"time to commit {slope(gbs, [column(r, 'commit').median for r in sized.values()]):.3f} s per GB."
     )
-    report.heading(f"Tensor count ({args.count_gb} GB)")
+    report.heading(f"Tensor count ({args.count_gb} GB), packing on and off")
     report.table(
         ["state", "blocking", "time to commit"],
         [[name, column(rows, "block").fmt(), column(rows, "commit").fmt()] for name, rows in counted.items()],
     )
     thousands = [n / 1000 for n in args.counts]
-    report.add(
-        f"- Slope: blocking "
-        f"{slope(thousands, [column(r, 'block').median for r in counted.values()]):.3f} s per 1,000 tensors, "
-        f"time to commit {slope(thousands, [column(r, 'commit').median for r in counted.values()]):.3f} s per "
-        "1,000 tensors."
-    )
+    for packing in args.packing:
+        rows = [counted[counted_names[n, packing]] for n in args.counts]
+        per_1000 = slope(thousands, [column(r, "commit").median for r in rows])
+        goal = (
+            f"; goal at most {PER_1000_GOAL_S} s per 1,000 tensors: {verdict(per_1000 <= PER_1000_GOAL_S)}"
+            if packing == "on"
+            else ""
+        )
+        report.add(
+            f"- Packing {packing} ("
+            + ("pack_tensor_bytes=0" if packing == "off" else f"pack_tensor_bytes={CheckpointConfig.pack_tensor_bytes}")
+            + f"): time to commit {per_1000:.3f} s per 1,000 tensors, blocking "
+            f"{slope(thousands, [column(r, 'block').median for r in rows]):.3f} s per 1,000 tensors "
+            f"(least-squares slopes over {', '.join(map(str, args.counts))} tensors){goal}."
+        )
     report.heading(f"Ranks ({args.plan_tensors} tensors, {args.plan_gb} GB, replicated; rank 0's view)")
     keys = ["save_plan", "load_plan", "save", "load", "engine_save", "engine_load"]
     titles = ["DCP save planning", "DCP load planning", "DCP save", "DCP load", "ours: save to commit", "ours: load"]

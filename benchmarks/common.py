@@ -218,6 +218,179 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
 
 
+# ---- process CPU time --------------------------------------------------------------------------------------------
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds so far of this process and every process it started, directly or not.
+
+    This process: all its threads (``RUSAGE_SELF``) and its children that have exited and been waited for
+    (``RUSAGE_CHILDREN``). Every live descendant (psutil, recursively): its own user + system time and that of
+    its own waited-for children. So a helper process counts whether it is still running (our engine's
+    ``persist="process"`` helper, forked by its fork server, a child of this process) or has exited and been
+    reaped by the fork server. Take differences of two calls; a process that exits between them moves its time
+    from one term to another but never out of the sum.
+    """
+    import resource
+
+    import psutil
+
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # gone between the listing and the read: its time is in its parent's children now
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+# ---- added time per save in a real training run ------------------------------------------------------------------
+
+
+def paired_rounds(
+    names: Sequence[str], everies: Sequence[int], rounds: int, fit: Callable[[str, int], Sample]
+) -> dict[int, dict[str, list[Sample]]]:
+    """``fit(variant, every)`` for every variant (the no-save one among them) and every save interval, per round.
+
+    A round holds one fit of each variant per interval, in an order that rotates from one interval's turn to the
+    next, so the fits compared with each other ran minutes apart at most. Each fit's sample holds ``wall``,
+    ``cpu`` and ``saves``; ``fits[every][variant][round]`` is returned.
+    """
+    fits: dict[int, dict[str, list[Sample]]] = {every: {name: [] for name in names} for every in everies}
+    turn = 0
+    for round_ in range(rounds):
+        for every in everies:
+            for name in rotated(names, turn):
+                sample = fit(name, every)
+                fits[every][name].append(sample)
+                print(f"round {round_ + 1}/{rounds}, every {every}: {name}: {sample}", file=sys.stderr, flush=True)
+            turn += 1
+    return fits
+
+
+def added_per_save(fits: Mapping[str, Sequence[Sample]], variant: str, no_saves: str, key: str) -> Stats:
+    """Median [IQR] over rounds of (the variant's fit - the same round's no-save fit) / the variant's saves."""
+    pairs = zip(fits[variant], fits[no_saves], strict=True)
+    return Stats.of((fit[key] - base[key]) / fit["saves"] for fit, base in pairs if fit["saves"])
+
+
+def report_added(
+    report: Report,
+    fits: Mapping[int, Mapping[str, Sequence[Sample]]],
+    *,
+    steps: int,
+    no_saves: str,
+    floor: str,
+    rival: str,
+    ours: Sequence[str],
+    notes: Sequence[str] = (),
+) -> None:
+    """A table per save interval of what each variant adds per save, wall and CPU, and ours against the others."""
+    for every, by_variant in fits.items():
+        _report_interval(report, every, by_variant, steps, no_saves, floor, rival, ours)
+    report.add(
+        "- Added per save = (the run's time - the same round's no-save run's) / the run's saves, per round; "
+        "median [IQR] over rounds; ratios are of medians. CPU = user + system seconds of the training process "
+        "(all threads) and of every process it started, live or exited (our helper process included; "
+        "`common.cpu_seconds`), over the same span as the wall time. A negative value: that save cost less than "
+        "the noise between two runs."
+    )
+    for note in notes:
+        report.add(f"- {note}")
+    _report_fixed_and_marginal(report, fits, no_saves)
+
+
+def _report_fixed_and_marginal(
+    report: Report, fits: Mapping[int, Mapping[str, Sequence[Sample]]], no_saves: str
+) -> None:
+    """Split each variant's added time into a per-run part and a per-save part, by how it grows with the saves.
+
+    Per interval, the median over rounds of (run - no-save run) against the saves per run; a least-squares line
+    through those points: its intercept is what a run pays once (our engine's start, its helper process), its
+    slope what each further save adds. Needs two intervals with different save counts.
+    """
+    intervals = list(fits)
+    variants = [v for v in fits[intervals[0]] if v != no_saves]
+    saves = {v: [Stats.of(f["saves"] for f in fits[n][v]).median for n in intervals] for v in variants}
+    if not variants or any(len(set(counts)) < 2 for counts in saves.values()):
+        return
+
+    def line(variant: str, key: str) -> tuple[float, float]:
+        xs = saves[variant]
+        ys = [
+            Stats.of(f[key] - b[key] for f, b in zip(fits[n][variant], fits[n][no_saves], strict=True)).median
+            for n in intervals
+        ]
+        per_save = slope(xs, ys)
+        return statistics.fmean(ys) - per_save * statistics.fmean(xs), per_save
+
+    report.heading("Once per run, and per save (least-squares over the intervals)")
+    rows = []
+    for v in variants:
+        (wall_once, wall_each), (cpu_once, cpu_each) = line(v, "wall"), line(v, "cpu")
+        rows.append([v, f"{wall_once:.3f}", f"{wall_each:.3f}", f"{cpu_once:.3f}", f"{cpu_each:.3f}"])
+    report.table(["variant", "wall once per run", "wall per save", "CPU once per run", "CPU per save"], rows)
+    report.add(
+        "- A line through each interval's median added time (run - no-save run) against its saves per run: the "
+        "intercept is paid once per run (our engine's start and its helper process, a first allocation), the "
+        "slope by every save. Saves closer together can also queue behind each other, which the slope holds too."
+    )
+
+
+def _report_interval(
+    report: Report,
+    every: int,
+    by_variant: Mapping[str, Sequence[Sample]],
+    steps: int,
+    no_saves: str,
+    floor: str,
+    rival: str,
+    ours: Sequence[str],
+) -> None:
+    variants = [v for v in by_variant if v != no_saves]
+
+    def per_save(variant: str, key: str) -> Stats:
+        return added_per_save(by_variant, variant, no_saves, key)
+
+    def x_floor(variant: str, key: str) -> str:
+        if floor not in variants:
+            return "-"
+        return f"{ratio(per_save(variant, key).median, per_save(floor, key).median):.2f}"
+
+    saves = sorted({int(fit["saves"]) for v in variants for fit in by_variant[v]})
+    report.heading(f"A save every {every} steps (saves per run of {steps} steps: {'/'.join(map(str, saves))})")
+    base = {key: Stats.of(fit[key] for fit in by_variant[no_saves]) for key in ("wall", "cpu")}
+    report.table(
+        ["variant", "run wall", "added wall per save", "x floor", "run CPU", "added CPU per save", "x floor (CPU)"],
+        [
+            [no_saves, base["wall"].fmt(2), "-", "-", base["cpu"].fmt(2), "-", "-"],
+            *(
+                [
+                    v,
+                    Stats.of(fit["wall"] for fit in by_variant[v]).fmt(2),
+                    per_save(v, "wall").fmt(),
+                    x_floor(v, "wall"),
+                    Stats.of(fit["cpu"] for fit in by_variant[v]).fmt(2),
+                    per_save(v, "cpu").fmt(),
+                    x_floor(v, "cpu"),
+                ]
+                for v in variants
+            ),
+        ],
+    )
+    for mine in (v for v in ours if v in variants):
+        cells = []
+        for key, what in (("wall", "wall"), ("cpu", "CPU")):
+            added = per_save(mine, key).median
+            versus = f", {rival} {ratio(per_save(rival, key).median, added):.2f}x it" if rival in variants else ""
+            cells.append(f"{what}: {x_floor(mine, key)}x the floor{versus}")
+        report.add(f"- {mine}: " + "; ".join(cells) + ".")
+
+
 # ---- host memory -------------------------------------------------------------------------------------------------
 
 

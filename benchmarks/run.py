@@ -44,10 +44,24 @@ BENCHES = (
         ("--size-gb", Q, "--steps", "30"),
     ),
     Bench(
+        "lightning-added",
+        "benchmarks.bench_lightning",
+        ("--mode", "added"),
+        ("--size-gb", "0.02", "--steps", "8", "--rounds", "1"),
+        timeout_s=5400,
+    ),
+    Bench(
         "accelerate",
         "benchmarks.bench_accelerate",
         ("--repeats", "3"),
         ("--width", str(width_for(QUICK_SIZE_GB)), "--repeats", "1"),
+    ),
+    Bench(
+        "accelerate-added",
+        "benchmarks.bench_accelerate",
+        ("--mode", "added"),
+        ("--size-gb", "0.02", "--steps", "8", "--rounds", "1"),
+        timeout_s=5400,
     ),
     Bench("ddp", "benchmarks.bench_ddp", quick=("--size-gb", Q, "--saves", "2")),
     Bench("resume", "benchmarks.bench_resume", quick=("--size-gb", Q, "--repeats", "1")),
@@ -62,7 +76,7 @@ BENCHES = (
         "scaling",
         "benchmarks.bench_scaling",
         quick=(
-            *("--sizes-gb", "0.01", "0.02", "0.04", "--count-gb", "0.02", "--counts", "100", "1000"),
+            *("--sizes-gb", "0.01", "0.02", "0.04", "--count-gb", "0.01", "--counts", "100", "1000"),
             *("--plan-tensors", "500", "--plan-gb", "0.005", "--repeats", "1", "--rank-repeats", "1"),
         ),
     ),
