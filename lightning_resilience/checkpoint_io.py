@@ -9,6 +9,7 @@ to it: that Trainer's loggers receive the pack's metrics and its hooks drive the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -182,6 +183,9 @@ class ResilientCheckpointIO(CheckpointIO):
         if self._manager is None:
             model = trainer.lightning_module
             config = barrier_for(self.config, [model] if model is not None else [])
+            if getattr(trainer.strategy, "name_layout", FILE) == SHARDED:
+                # its names are DCP views of the step's shards, and a packed tensor has no DCP entry to point to
+                config = dataclasses.replace(config, pack_tensor_bytes=0)
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
             if self._manager.rank == 0:
                 self._names = NameWriter(self._manager.local, as_name, allow_pickle=self.config.allow_pickle)

@@ -26,21 +26,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from resilience import CheckpointError, CheckpointManager
-from resilience.storage import DurableTier, Tier
+from resilience.storage import Tier
 from tests.helpers import recording_open
 from tests.workers.engine_worker import check_restored, config, state_for
-
-
-def fail_uploads(step: int) -> None:
-    """This node's uploads of ``step`` are refused, as by a bucket policy (a permission error is not retried)."""
-    original = DurableTier.put_file
-
-    def refuse(self: DurableTier, local_path: str, path: str, callback: Any = None) -> None:
-        if f"/step-{step}/" in path:
-            raise PermissionError(13, "Permission denied (injected on this node)", path)
-        original(self, local_path, path, callback)
-
-    DurableTier.put_file = refuse  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -51,6 +39,9 @@ def main() -> None:
     reads: list[tuple[str, str]] = []
     Tier.open = recording_open(reads, Tier.open)  # type: ignore[method-assign]
     report: dict[str, Any] = {"rank": rank, "root": root, "pid": os.getpid(), "restored": None, "errors": {}}
+    if os.environ.get("TEST_FAIL_UPLOAD_ROOT") == root:  # before the manager starts its helper, which uploads
+        os.environ.update(TEST_FAIL_UPLOAD_HERE="1", RESILIENCE_HELPER_PRELOAD="tests.workers.upload_faults")
+        import tests.workers.upload_faults  # noqa: F401  (and in this process, for persist="thread")
     manager = CheckpointManager(config([root, durable], local_shared=False, collective_timeout_s=60))
     report.update(leader=manager.is_local_leader, node_ranks=manager.topology.ranks_on_my_node())
     target = state_for(0, mesh)  # the right structure with the wrong values: a load must overwrite them all
@@ -61,8 +52,6 @@ def main() -> None:
         steps = [restored.step + 1]
     else:
         steps = [int(s) for s in os.environ["TEST_STEPS"].split(",")]
-    if os.environ.get("TEST_FAIL_UPLOAD_ROOT") == root:
-        fail_uploads(int(os.environ["TEST_FAIL_UPLOAD_STEP"]))
     for step in steps:
         manager.save(step, state_for(step, mesh), {"rank": torch.tensor([rank * 1000 + step])})
         try:
