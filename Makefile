@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # The lowest stated versions, in .venv-floors: a smoke subset of the tests (tools/test_floors.sh).
 test-floors: $(STAMP)
