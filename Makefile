@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-floors lint bench
+.PHONY: setup demo test test-all test-floors lint bench
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -19,7 +19,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
+
+# Also the tests marked slow (longer trials, and scenarios the default run covers another way).
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m 'slow or not slow'
 
 # The lowest stated versions, in .venv-floors: a smoke subset of the tests (tools/test_floors.sh).
 test-floors: $(STAMP)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,7 +69,19 @@ class UploadJob:
 
 class PiecePlanner(DefaultSavePlanner):
     """DCP's planner, reading a :class:`~resilience.helper.Piece` (a DTensor shard without its mesh) as its
-    local tensor; its write items came with it."""
+    local tensor; its write items came with it.
+
+    With ``cache_key``, DCP's plan caching is on under that key: a rank whose local plan is the one of its last
+    save sends an empty plan, and the coordinator reuses the global plan and metadata it made then, so the
+    per-save gather, deduplication and scatter do not grow with the ranks while the state's structure stays the
+    same (any changed plan is merged in and planned again). DCP keeps the cache per class by default; a key per
+    pipeline keeps managers of one process, and their process groups, apart.
+    """
+
+    def __init__(self, cache_key: str | None = None) -> None:
+        super().__init__(enable_plan_caching=cache_key is not None)
+        if cache_key is not None:
+            self._cached_plans_key = cache_key
 
     def lookup_object(self, index: Any) -> Any:
         found = self.state_dict.get(index.fqn)
@@ -137,6 +150,7 @@ class Pipeline:
         self._policy = RetryPolicy(config.upload_retries, config.upload_backoff_s)
         self._protected_steps = protected_steps
         self._on_error = on_error
+        self._plan_cache_key = f"resilience-{uuid.uuid4().hex}"  # this pipeline's group (see PiecePlanner)
         self.errors: list[CheckpointError] = []
         self._errors_lock = threading.Lock()
         self._uploading: set[int] = set()
@@ -256,7 +270,7 @@ class Pipeline:
             dcp.save(
                 staged,
                 storage_writer=writer,
-                planner=PiecePlanner(),
+                planner=PiecePlanner(self._plan_cache_key),
                 process_group=self.writer_channel.group,
                 no_dist=not self.writer_channel.active,
             )

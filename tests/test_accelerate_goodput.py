@@ -299,6 +299,7 @@ def test_auto_interval_takes_the_mtbf_observed_from_the_runs_restarts(tmp_path: 
     assert before.uptime_s <= plan.mtbf_s <= summarize(tmp_path).uptime_s
 
 
+@pytest.mark.slow  # the same plan on every rank is also checked by the session parity test
 def test_auto_interval_is_the_same_on_every_rank(tmp_path: Path) -> None:
     settings = {
         "ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"),

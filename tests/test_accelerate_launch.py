@@ -180,6 +180,7 @@ def test_resume_from_s3_on_an_empty_local_disk(
     assert_same_training(got, reference)
 
 
+@pytest.mark.slow  # kill -9 and relaunch under accelerate launch: also the FSDP2 and rank-kill tests
 def test_kill_9_mid_run_then_relaunch_resumes_from_newest_commit(
     tmp_path: Path, reference: dict[int, dict[str, Any]]
 ) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from resilience.manifest import Manifest
 from tests.helpers import WORKERS, check_ranks, reseal, run_ranks
 
@@ -39,6 +41,7 @@ def test_two_ranks_write_in_parallel_and_reload_on_two_and_one(tmp_path: Path) -
     assert "LOADED 3 local 2" in outputs[0]
 
 
+@pytest.mark.slow  # 1 -> 2 ranks is also run by test_reliability_reshard (DDP and FSDP2)
 def test_reshard_one_to_two(tmp_path: Path) -> None:
     run("save", tmp_path, 1, env={"TEST_STEPS": "4"})
     assert manifest(tmp_path, 4).world_size == 1

@@ -28,6 +28,7 @@ def run(mode: str, root: Path, world: int) -> list[str]:
     return [r.output for r in check_ranks(run_ranks(WORKER, [mode, str(root)], world, timeout=400))]
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores: HSDP runs by default through Lightning (2 x 1)
 def test_each_replica_group_writes_once_and_the_checkpoint_reshards(tmp_path: Path) -> None:
     outputs = run("save", tmp_path, 4)
     replicas = {int(m[1]): m[2] for out in outputs for m in re.finditer(r"REPLICAS (\d) (\[.*\])", out)}

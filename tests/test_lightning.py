@@ -78,7 +78,7 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "final.pt"
 
 
-@pytest.mark.parametrize(("kill_at", "resumes_at"), [(10, 8), (13, 12)])
+@pytest.mark.parametrize(("kill_at", "resumes_at"), [(10, 8), pytest.param(13, 12, marks=pytest.mark.slow)])
 def test_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: Path, kill_at: int, resumes_at: int) -> None:
     """Mid-epoch (step 8 of 12 per epoch) and at an epoch end (step 12): same parameters as never stopping."""
     killed = train(tmp_path, "--kill-at", str(kill_at))
@@ -173,7 +173,7 @@ def wait_for(predicate, timeout: float, proc: subprocess.Popen[str]) -> None:  #
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("slow_write", [False, True])
+@pytest.mark.parametrize("slow_write", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_sigterm_commits_an_emergency_checkpoint_before_exit(tmp_path: Path, reference: Path, slow_write: bool) -> None:
     """SIGTERM to a real training process; with ``slow_write`` it lands while an async save is being written."""
     env = {"TEST_SLOW_WRITE_S": "1.5"} if slow_write else {}

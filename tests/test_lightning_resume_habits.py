@@ -119,7 +119,7 @@ print("global_step", trainer.global_step)
 """
 
 
-@pytest.mark.parametrize("level", ["INFO", "ERROR"])
+@pytest.mark.parametrize("level", ["INFO", pytest.param("ERROR", marks=pytest.mark.slow)])
 def test_the_packs_log_lines_follow_lightnings_logger(tmp_path: Path, level: str) -> None:
     """A resume that sets a corrupt checkpoint aside says so the way Lightning's own lines are said, and a user
     who quiets Lightning's logger quiets the pack's lines with it."""

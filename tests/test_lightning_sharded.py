@@ -96,8 +96,8 @@ def test_fsdp2_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [
-        (("fsdp", 2, 1), ("fsdp", 1, 1)),
-        (("fsdp", 1, 1), ("fsdp", 2, 1)),
+        pytest.param(("fsdp", 2, 1), ("fsdp", 1, 1), marks=pytest.mark.slow),
+        pytest.param(("fsdp", 1, 1), ("fsdp", 2, 1), marks=pytest.mark.slow),
         (("fsdp", 2, 1), ("tp", 1, 2)),
         (("hsdp", 2, 1), ("fsdp", 2, 1)),
     ],

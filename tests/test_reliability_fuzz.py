@@ -38,7 +38,7 @@ from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_rank
 WORKER = WORKERS / "reliability_fuzz.py"
 KILL_PHASES = ("staging", "shards", "manifest", "upload", "retention", "timer")
 MAX_DELAY_S = {"staging": 0.005, "shards": 0.05, "manifest": 0.005, "upload": 0.05, "retention": 0.005}
-DEFAULT_TRIALS = 3
+DEFAULT_TRIALS = 1
 FULL_TRIALS = int(os.environ.get("RESILIENCE_FUZZ_TRIALS", "30"))
 TRIAL_TIMEOUT_S = 180.0
 

@@ -20,7 +20,7 @@ def run(mode: str, root: Path, world: int) -> list[str]:
     return [r.output for r in check_ranks(run_ranks(WORKER, [mode, str(root)], world, timeout=240))]
 
 
-@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
 def test_ddp_and_fsdp2_resume_on_another_number_of_ranks(tmp_path: Path, saved_on: int, resumed_on: int) -> None:
     saved = run("save", tmp_path, saved_on)
     assert all(f"SAVED {kind} {saved_on}" in out for out in saved for kind in ("ddp", "fsdp2"))
