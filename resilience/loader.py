@@ -14,10 +14,11 @@ import json
 import logging
 import os
 import pickle
+import tempfile
 from collections.abc import Collection, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -186,13 +187,37 @@ class LocalCopy:
         return size == item.size and digest == item.xxh3_64
 
 
+SPOOL_BYTES = 64 << 20  # a checked copy stays in memory up to this size, then goes to a temporary file
+
+
+@contextmanager
+def _checked_copy(tier: Tier, path: str, expected: FileEntry) -> Generator[IO[bytes], None, None]:
+    """The file, read once into a private copy and checked against its manifest entry before DCP parses any of it.
+
+    For shards whose checksum was not verified before the load (``verify="auto"`` checks the durable tier's by
+    size, since hashing them first would download each twice): the copy is what DCP reads, so the bytes checked
+    are the bytes loaded, and corrupt ones never are.
+    """
+    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as copy:
+        with tier.open(path) as stream:
+            digest, size = hash_stream(stream, copy)
+        if (size, digest) != (expected.size, expected.xxh3_64):
+            raise CorruptCheckpointError(
+                f"{tier.display(path)}: {size} bytes with xxh3-64 {digest}, but the manifest lists {expected.size} "
+                f"bytes with {expected.xxh3_64}: the file is corrupt"
+            )
+        copy.seek(0)
+        yield copy
+
+
 class _TierFileSystem(FileSystemBase):
     """DCP's file-system interface, for reading only, over a tier's fsspec filesystem (and a local copy)."""
 
-    def __init__(self, tier: Tier, root: str, local: LocalCopy | None):
+    def __init__(self, tier: Tier, root: str, local: LocalCopy | None, unchecked: dict[str, FileEntry] | None):
         self.tier = tier
         self.root = root
         self.local = local
+        self.unchecked = unchecked
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -200,11 +225,13 @@ class _TierFileSystem(FileSystemBase):
             raise ValueError("checkpoint tiers are opened read-only while loading")
         name = os.fspath(path).removeprefix(f"{self.root}/")
         if self.local is not None and self.local.holds(name):
-            opened = self.local.tier.open(f"{self.local.path}/{name}")
+            opened: Any = self.local.tier.open(f"{self.local.path}/{name}")
+        elif self.unchecked is not None and name in self.unchecked:
+            opened = _checked_copy(self.tier, os.fspath(path), self.unchecked[name])
         else:
             opened = self.tier.open(os.fspath(path))
         with opened as stream:
-            yield stream  # type: ignore[misc]
+            yield stream
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{os.fspath(path)}/{suffix}"
@@ -232,9 +259,11 @@ class _TierFileSystem(FileSystemBase):
 class _VerifiedReader(FileSystemReader):
     """A FileSystemReader over a tier that hands DCP the metadata already read and checked."""
 
-    def __init__(self, entry: Entry, metadata: Metadata, local: LocalCopy | None):
+    def __init__(self, entry: Entry, metadata: Metadata, local: LocalCopy | None, check_reads: bool):
         super().__init__(entry.path)
-        self.fs = _TierFileSystem(entry.tier, entry.path, local)  # type: ignore[assignment]
+        assert entry.manifest is not None
+        unchecked = {f.path: f for f in entry.manifest.files} if check_reads else None
+        self.fs = _TierFileSystem(entry.tier, entry.path, local, unchecked)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
 
@@ -335,18 +364,25 @@ def _check_shape(entry: Entry, key: str, saved: tuple[int, ...], target: torch.T
 
 
 def run_load(
-    entry: Entry, plan: LoadPlan, *, group: dist.ProcessGroup | None, allow_pickle: bool, local: Tier | None = None
+    entry: Entry,
+    plan: LoadPlan,
+    *,
+    group: dist.ProcessGroup | None,
+    allow_pickle: bool,
+    local: Tier | None = None,
+    check_reads: bool = False,
 ) -> Restored:
     """Read the shards (collective when distributed) and rebuild the trees.
 
     With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
-    are read there (:class:`LocalCopy`).
+    are read there (:class:`LocalCopy`). ``check_reads``: shards were not hashed before the load; each is checked
+    as it is read (:func:`_checked_copy`).
     """
     assert entry.manifest is not None
     copy = None
     if local is not None and entry.tier is not local:
         copy = LocalCopy(local, local.step_path(entry.step), {f.path: f for f in entry.manifest.files})
-    read_tensors(entry, plan.metadata, plan.tensors, group=group, local=copy)
+    read_tensors(entry, plan.metadata, plan.tensors, group=group, local=copy, check_reads=check_reads)
     tensors = plan.tensors
     if plan.layout is not None and plan.packed:
         unpacked = packing.unpack(plan.layout, plan.packed, plan.tensors, plan.pack_targets)
@@ -369,13 +405,14 @@ def read_tensors(
     *,
     group: dist.ProcessGroup | None = None,
     local: LocalCopy | None = None,
+    check_reads: bool = False,
 ) -> None:
     """Fill ``tensors`` (DCP keys to targets) from the shards, those ``local`` holds from there; collective when
     ``group`` is given."""
     try:
         dcp.load(
             tensors,
-            storage_reader=_VerifiedReader(entry, metadata, local),
+            storage_reader=_VerifiedReader(entry, metadata, local, check_reads),
             process_group=group,
             no_dist=group is None,
         )

@@ -678,7 +678,12 @@ class CheckpointManager:
 
         def read() -> None:
             box["restored"] = run_load(
-                entry, box["plan"], group=self.groups.control.group, allow_pickle=allow_pickle, local=self.local
+                entry,
+                box["plan"],
+                group=self.groups.control.group,
+                allow_pickle=allow_pickle,
+                local=self.local,
+                check_reads=not self._hashes_before_load(entry),
             )
 
         self.groups.control.agree(plan)
@@ -704,9 +709,14 @@ class CheckpointManager:
         share = (self.rank, self.world_size)
         return catalog.first_verified(entries, lambda e: self._verify_together(e, share), self._warn)
 
+    def _hashes_before_load(self, entry: catalog.Entry) -> bool:
+        """Whether discovery hashes this copy's shards: with ``verify="auto"`` only the local tier's (the durable
+        tier's are hashed as they are read instead, so each is downloaded once); ``"size"`` never."""
+        return self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
+
     def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
         """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
-        full = self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
+        full = self._hashes_before_load(entry)
         try:
             self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share))
         except CorruptCheckpointError as exc:

@@ -143,8 +143,9 @@ def check_relative_path(path: object) -> str:
     return path
 
 
-def hash_stream(stream: IO[bytes]) -> tuple[str, int]:
-    """xxh3-64 and length of everything readable from ``stream`` (the hash releases the GIL)."""
+def hash_stream(stream: IO[bytes], copy_to: IO[bytes] | None = None) -> tuple[str, int]:
+    """xxh3-64 and length of everything readable from ``stream`` (the hash releases the GIL); with ``copy_to``,
+    the bytes are also written there as they are read."""
     digest = xxhash.xxh3_64()
     size = 0
     while True:
@@ -152,6 +153,8 @@ def hash_stream(stream: IO[bytes]) -> tuple[str, int]:
         if not chunk:
             return digest.hexdigest(), size
         digest.update(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
         size += len(chunk)
 
 
