@@ -369,7 +369,8 @@ def _local(tensor: Any) -> torch.Tensor:
 
 
 def _fields(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k not in ("event", "step", "rank", "time")}
+    """A helper's event for this process's listeners: its time stays the time it happened in the helper."""
+    return {k: v for k, v in record.items() if k not in ("event", "step", "rank")}
 
 
 def _pickled(exc: BaseException) -> bytes:

@@ -166,6 +166,7 @@ def test_stop_then_resume_is_bit_exact(stopped: dict[str, Any], reference: dict[
     assert committed_steps(tmp / "ckpt") == [STOP_AT]  # nothing more was saved: no interval, no stop step
 
 
+@pytest.mark.slow  # an empty disk resuming from the durable tier: also test_engine_s3 and the two-node tests
 def test_resume_from_s3_on_an_empty_local_disk(
     stopped: dict[str, Any], reference: dict[int, dict[str, Any]], bucket: dict[str, Any]
 ) -> None:

@@ -75,6 +75,7 @@ def test_a_bad_state_file_of_one_rank_makes_every_rank_fall_back_together(tmp_pa
     assert not step_dir.exists() and [p.name.split("-")[1] for p in (tmp_path / "quarantine").iterdir()] == ["2"]
 
 
+@pytest.mark.slow  # S3 from 2 ranks: also the two-node tests (durable tier) and test_engine_s3
 def test_two_ranks_upload_to_s3_and_reload_from_the_url(tmp_path: Path, s3: dict[str, object]) -> None:
     env = {"TEST_STORAGE_OPTIONS": json.dumps(s3["options"]), "TEST_STEPS": "1,2"}
     run("save", tmp_path / "a", 2, env=env, durable=str(s3["url"]))

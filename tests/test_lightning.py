@@ -136,7 +136,11 @@ def test_ddp_ranks_write_in_parallel_and_an_injected_xid_stops_both_for_a_bit_ex
 
 @pytest.mark.parametrize(
     ("how", "extra"),
-    [("kill", ["--step-sleep", "0.1"]), ("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"])],
+    [
+        # a killed rank's survivor save: also test_survivors.py and under accelerate launch
+        pytest.param("kill", ["--step-sleep", "0.1"], marks=pytest.mark.slow),
+        ("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"]),
+    ],
     ids=["kill-9-mid-step", "sigstop-mid-step"],
 )
 def test_ddp_survivor_saves_what_a_lost_rank_leaves_and_the_relaunch_is_bit_exact(
