@@ -19,11 +19,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist worksteal
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # Also the tests marked slow (longer trials, and scenarios the default run covers another way).
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 3 --dist worksteal -m 'slow or not slow'
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m 'slow or not slow'
 
 # The lowest stated versions, in .venv-floors: a smoke subset of the tests (tools/test_floors.sh).
 test-floors: $(STAMP)
