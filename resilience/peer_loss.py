@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -124,7 +125,13 @@ class PeerLossWatch:
         """A collective failed (or never returned): if peers are lost, the survivors save. None: nobody is lost."""
         if not self._rescuing.acquire(blocking=False):
             return self.outcome
+        # A collective fails as soon as the lost peer's sockets close, which in the kernel comes before its process
+        # is seen as gone; its heartbeat then still looks fresh. Give it until the heartbeat would be stale.
+        deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s
         lost = self.liveness.lost(self.config.stale_s)
+        while not lost and self.snapshot is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            lost = self.liveness.lost(self.config.stale_s)
         if not lost or self.snapshot is None:
             self._rescuing.release()
             return None
