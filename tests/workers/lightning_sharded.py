@@ -151,7 +151,7 @@ def main() -> None:
     if args.out and trainer.global_rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out)
-    print("FINISHED", trainer.global_step, trainer.current_epoch, flush=True)
+    print(f"FINISHED {trainer.global_step} {trainer.current_epoch}", flush=True)  # one write: ranks share stdout
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def main() -> None:
     trainer.fit(DemoModel(), DemoData(loader=args.loader), ckpt_path=args.ckpt_path)
     if args.out and trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}, args.out)
-    print("FINISHED", trainer.global_step, trainer.current_epoch, flush=True)
+    print(f"FINISHED {trainer.global_step} {trainer.current_epoch}", flush=True)  # one write: ranks share stdout
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def lightning(root: str) -> None:
         default_root_dir=root,
     )
     trainer.fit(Model(), DataLoader(data(), batch_size=4))
-    print("FINISHED", trainer.global_step, flush=True)
+    print(f"FINISHED {trainer.global_step}", flush=True)  # one write: ranks share stdout
 
 
 def accelerate(root: str) -> None:
@@ -90,7 +90,7 @@ def accelerate(root: str) -> None:
         if resilience.global_step >= STEPS:
             break
     resilience.close()  # exits with the stop's code after a stop
-    print("FINISHED", resilience.global_step, flush=True)
+    print(f"FINISHED {resilience.global_step}", flush=True)  # one write: ranks share stdout
 
 
 if __name__ == "__main__":
