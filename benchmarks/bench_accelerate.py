@@ -161,9 +161,9 @@ def added(args: argparse.Namespace) -> None:
         "rotating order; median [IQR] in seconds",
     )
     with scratch(args.dir, "accelerate") as root:
-        for variant in names:  # warm-up: one short run each, one save; first-run costs are not any variant's
-            added_run(model, variant, root, min(args.every), min(args.every))
-        fits = paired_rounds(names, args.every, args.rounds, lambda v, n: added_run(model, v, root, args.steps, n))
+        fits = paired_rounds(
+            names, args.every, args.rounds, args.steps, lambda v, steps, n: added_run(model, v, root, steps, n)
+        )
     report_added(
         report,
         fits,

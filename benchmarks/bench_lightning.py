@@ -382,9 +382,9 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
 def added(args: Any, model: Net, root: Path, report: Report) -> None:
     variants = [ADDED_KEYS[key] for key in args.variants]
     names = [NO_SAVES, *variants]
-    for variant in names:  # warm-up: one short fit each, one save; first-fit costs are not any variant's
-        added_fit(model, variant, root, min(args.every), min(args.every))
-    fits = paired_rounds(names, args.every, args.rounds, lambda v, n: added_fit(model, v, root, args.steps, n))
+    fits = paired_rounds(
+        names, args.every, args.rounds, args.steps, lambda v, steps, n: added_fit(model, v, root, steps, n)
+    )
     report_added(
         report,
         fits,

@@ -252,20 +252,23 @@ def cpu_seconds() -> float:
 
 
 def paired_rounds(
-    names: Sequence[str], everies: Sequence[int], rounds: int, fit: Callable[[str, int], Sample]
+    names: Sequence[str], everies: Sequence[int], rounds: int, steps: int, fit: Callable[[str, int, int], Sample]
 ) -> dict[int, dict[str, list[Sample]]]:
-    """``fit(variant, every)`` for every variant (the no-save one among them) and every save interval, per round.
+    """``fit(variant, steps, every)`` for every variant (the no-save one among them) and every save interval, per
+    round, after a warm-up of one short run of each variant with one save (first-run costs are no variant's).
 
     A round holds one fit of each variant per interval, in an order that rotates from one interval's turn to the
     next, so the fits compared with each other ran minutes apart at most. Each fit's sample holds ``wall``,
     ``cpu`` and ``saves``; ``fits[every][variant][round]`` is returned.
     """
+    for name in names:
+        fit(name, min(everies), min(everies))
     fits: dict[int, dict[str, list[Sample]]] = {every: {name: [] for name in names} for every in everies}
     turn = 0
     for round_ in range(rounds):
         for every in everies:
             for name in rotated(names, turn):
-                sample = fit(name, every)
+                sample = fit(name, steps, every)
                 fits[every][name].append(sample)
                 print(f"round {round_ + 1}/{rounds}, every {every}: {name}: {sample}", file=sys.stderr, flush=True)
             turn += 1
