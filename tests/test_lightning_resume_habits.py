@@ -34,10 +34,15 @@ def fit(root: Path, max_steps: int) -> tuple[pl.Trainer, ModelCheckpoint, list[w
         enable_model_summary=False,
         default_root_dir=root,
     )
+    return trainer, best, fit_recording_warnings(trainer)
+
+
+def fit_recording_warnings(trainer: pl.Trainer) -> list[warnings.WarningMessage]:
+    """Fit the demo model; every warning raised meanwhile."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(DemoModel(), DemoData())
-    return trainer, best, caught
+    return caught
 
 
 def rows(trainer: pl.Trainer) -> list[dict[str, str]]:
@@ -94,9 +99,7 @@ def test_a_resumed_run_keeps_a_version_the_user_chose(tmp_path: Path) -> None:
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(DemoModel(), DemoData())
+    caught = fit_recording_warnings(trainer)
     assert trainer.global_step == 10 and trainer.logger.version == "mine"  # type: ignore[union-attr]
     assert any("logs this resumed run as 'mine', the saved run as 0" in str(w.message) for w in caught)
 
