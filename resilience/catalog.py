@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from resilience.errors import CorruptCheckpointError, NoCheckpointError
 from resilience.layout import MANIFEST, parse_step_dirname
@@ -120,9 +120,11 @@ def verify(
             progress(done, sum(i.size for i in mine))
 
 
-def check_file(entry: Entry, item: FileEntry) -> None:
+def check_file(entry: Entry, item: FileEntry, copy_to: IO[bytes] | None = None) -> None:
+    """The file's size and checksum match the manifest, or :class:`CorruptCheckpointError`; with ``copy_to``, the
+    bytes checked are also written there as they are read."""
     with entry.tier.open(f"{entry.path}/{item.path}") as stream:
-        digest, size = hash_stream(stream)
+        digest, size = hash_stream(stream, copy_to)
     if size != item.size:
         raise _corrupt(entry, item, f"reads {size} bytes, the manifest says {item.size}")
     if digest != item.xxh3_64:

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from resilience import packing
-from resilience.catalog import Entry
+from resilience.catalog import Entry, check_file
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
@@ -191,7 +191,7 @@ SPOOL_BYTES = 64 << 20  # a checked copy stays in memory up to this size, then g
 
 
 @contextmanager
-def _checked_copy(tier: Tier, path: str, expected: FileEntry) -> Generator[IO[bytes], None, None]:
+def _checked_copy(entry: Entry, item: FileEntry) -> Generator[IO[bytes], None, None]:
     """The file, read once into a private copy and checked against its manifest entry before DCP parses any of it.
 
     For shards whose checksum was not verified before the load (``verify="auto"`` checks the durable tier's by
@@ -199,13 +199,7 @@ def _checked_copy(tier: Tier, path: str, expected: FileEntry) -> Generator[IO[by
     are the bytes loaded, and corrupt ones never are.
     """
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as copy:
-        with tier.open(path) as stream:
-            digest, size = hash_stream(stream, copy)
-        if (size, digest) != (expected.size, expected.xxh3_64):
-            raise CorruptCheckpointError(
-                f"{tier.display(path)}: {size} bytes with xxh3-64 {digest}, but the manifest lists {expected.size} "
-                f"bytes with {expected.xxh3_64}: the file is corrupt"
-            )
+        check_file(entry, item, copy_to=copy)
         copy.seek(0)
         yield copy
 
@@ -213,11 +207,11 @@ def _checked_copy(tier: Tier, path: str, expected: FileEntry) -> Generator[IO[by
 class _TierFileSystem(FileSystemBase):
     """DCP's file-system interface, for reading only, over a tier's fsspec filesystem (and a local copy)."""
 
-    def __init__(self, tier: Tier, root: str, local: LocalCopy | None, unchecked: dict[str, FileEntry] | None):
+    def __init__(self, tier: Tier, root: str, local: LocalCopy | None, check: Entry | None):
         self.tier = tier
         self.root = root
         self.local = local
-        self.unchecked = unchecked
+        self.check = check
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -226,8 +220,8 @@ class _TierFileSystem(FileSystemBase):
         name = os.fspath(path).removeprefix(f"{self.root}/")
         if self.local is not None and self.local.holds(name):
             opened: Any = self.local.tier.open(f"{self.local.path}/{name}")
-        elif self.unchecked is not None and name in self.unchecked:
-            opened = _checked_copy(self.tier, os.fspath(path), self.unchecked[name])
+        elif self.check is not None and (item := self.check.manifest.file(name)) is not None:  # type: ignore[union-attr]
+            opened = _checked_copy(self.check, item)
         else:
             opened = self.tier.open(os.fspath(path))
         with opened as stream:
@@ -261,9 +255,7 @@ class _VerifiedReader(FileSystemReader):
 
     def __init__(self, entry: Entry, metadata: Metadata, local: LocalCopy | None, check_reads: bool):
         super().__init__(entry.path)
-        assert entry.manifest is not None
-        unchecked = {f.path: f for f in entry.manifest.files} if check_reads else None
-        self.fs = _TierFileSystem(entry.tier, entry.path, local, unchecked)  # type: ignore[assignment]
+        self.fs = _TierFileSystem(entry.tier, entry.path, local, entry if check_reads else None)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
 
