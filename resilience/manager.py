@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # imported before our exit hook is registered: see _register_exit_hook
+import functools
 import logging
 import os
 import threading
@@ -809,11 +810,11 @@ def _steps_text(steps: list[int]) -> str:
 
 
 _OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-_EXIT_HOOK: list[bool] = []
 
 
+@functools.cache
 def _register_exit_hook() -> None:
-    """Run :func:`_finish_at_exit` when the main thread ends, once per process.
+    """Run :func:`_finish_at_exit` when the main thread ends (cached: registered once per process).
 
     Threading's exit hooks run before any ``atexit`` one, while every thread and the process group still live
     (Lightning destroys its group in an ``atexit`` hook), and in reverse order of registration: registered after
@@ -822,9 +823,7 @@ def _register_exit_hook() -> None:
     shutdown", its checkpoint committed locally only). ``threading._register_atexit`` is private, but the
     standard library's executors use it for exactly this.
     """
-    if not _EXIT_HOOK:
-        threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
-        _EXIT_HOOK.append(True)
+    threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
 
 
 def _finish_at_exit() -> None:

@@ -13,6 +13,7 @@ differ between containers that share one ``/dev/shm``.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import secrets
@@ -25,19 +26,22 @@ PREFIX = "trs_"
 SHM_DIR = "/dev/shm"
 # A segment is created, then locked: one younger than this may be in between, and is left alone.
 MIN_AGE_S = 60.0
-_reclaimed: list[bool] = []
 
 
 def create_segment(nbytes: int) -> SharedMemory:
     """A new segment of ``nbytes``, locked by this process until it exits or closes it."""
-    if not _reclaimed:
-        _reclaimed.append(True)
-        reclaim_orphans()
+    _reclaim_once()
     segment = SharedMemory(name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=nbytes)
     fd = getattr(segment, "_fd", -1)
     if fd >= 0:  # Linux and macOS keep the descriptor open while the segment is mapped
         fcntl.flock(fd, fcntl.LOCK_SH)
     return segment
+
+
+@functools.cache
+def _reclaim_once() -> int:
+    """:func:`reclaim_orphans`, at the first staging of this process only."""
+    return reclaim_orphans()
 
 
 def reclaim_orphans(directory: str = SHM_DIR, min_age_s: float = MIN_AGE_S) -> int:
