@@ -203,7 +203,7 @@ class HelperPipeline:
             self._handles[job.step] = job.handle
             died = self.died
         if died is not None:
-            self._fail(job.handle, CheckpointError(f"Not saved: {died}", step=job.step, tier="local"))
+            self._fail(job.handle, died)
             return
         self._sender.put(job)
 
@@ -349,13 +349,23 @@ class HelperPipeline:
             self.died = why
             handles = list(self._handles.values())
         for handle in handles:
-            self._fail(handle, CheckpointError(f"Not saved: {why}", step=handle.step))
+            self._fail(handle, why)
 
-    def _fail(self, handle: SaveHandle, error: CheckpointError) -> None:
-        if not (handle.committed.done() and handle.durable.done()):
-            with self._lock:
-                self.errors.append(error)
-            handle.fail(error)
+    def _fail(self, handle: SaveHandle, why: str) -> None:
+        """End what ``handle`` still waits for: a save committed before the helper died is saved (its upload,
+        if there is a durable tier, is not), whether or not the helper's last messages arrived."""
+        committed = handle.committed.done() and handle.committed.exception() is None
+        if handle.durable.done() or (committed and self.settings.config.durable_url is None):
+            if not handle.durable.done():
+                handle.durable.set_result(None)  # what the helper sends next after such a commit
+            return
+        if committed:
+            error = CheckpointError(f"Not uploaded: {why}", step=handle.step, tier="durable")
+        else:
+            error = CheckpointError(f"Not saved: {why}", step=handle.step, tier="local")
+        with self._lock:
+            self.errors.append(error)
+        handle.fail(error)
 
 
 def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:

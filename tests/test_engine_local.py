@@ -410,6 +410,30 @@ def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None
             m.save(2, make_state(2))
 
 
+def test_a_save_committed_just_before_the_helper_died_stays_saved(tmp_path: Path) -> None:
+    """The helper's commit message can arrive and its next one (the durable phase's end) not, when it dies in
+    between (seen under load: the close then raised "Not saved" for a committed step)."""
+    import signal
+
+    from resilience.save_handle import SaveHandle
+
+    with manager(tmp_path, on_helper_death="raise") as m:
+        first = m.save(1, make_state(1))
+        assert first is not None
+        commit = first.committed.result(60)
+        m.wait()
+        between = SaveHandle(1)  # step 1's handle as it stands between the two messages
+        between.committed.set_result(commit)
+        m.pipeline._handles[1] = between  # type: ignore[attr-defined]
+        os.kill(m.pipeline.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        wait_for(lambda: m.pipeline.died is not None)  # type: ignore[attr-defined]
+        assert between.durable.result(5) is None  # no durable tier: nothing of it was lost
+        assert m.pipeline.take_errors() == []
+    with manager(tmp_path) as again:
+        restored = again.load()
+    assert restored is not None and restored.step == 1
+
+
 def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path: Path) -> None:
     """kill -9 of a whole process group (training process, resource tracker, helpers) leaves its /dev/shm
     segments behind; the next process that stages removes them, and never a segment a live process holds."""
