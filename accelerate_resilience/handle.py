@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -29,9 +28,7 @@ from accelerate_resilience.position import DataTracker, Position, load_loader_st
 from accelerate_resilience.snapshot import load_object_states, load_training_state, object_states, training_state
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
-from resilience.goodput.ledger import process_start_time
 from resilience.health import HealthConfig
-from resilience.layout import parse_step_dirname
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import capture_rng
@@ -44,7 +41,6 @@ T = TypeVar("T")
 
 _ROUTED = ("save_state", "load_state", "skip_first_batches", "end_training")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
-_process_accounted = False  # whether a ledger of this process already counted the process's start-up
 
 
 @dataclass(frozen=True)
@@ -111,7 +107,7 @@ class ResilienceHandle:
         self.session.add_sink(self._log)
         self.run_dir = os.fspath(plugin.run_dir or project.project_dir or config.local_root)
         if plugin.goodput:
-            self.session.use_goodput(plugin.goodput_config(self.run_dir), process_start=_incarnation_start())
+            self.session.use_goodput(plugin.goodput_config(self.run_dir))
         self.session.use_interval(plugin.interval_config())
         self.session.use_peer_loss(
             PeerLossConfig(enabled=bool(plugin.survivor_saves), grace_s=float(plugin.grace_s or 0))
@@ -230,11 +226,15 @@ class ResilienceHandle:
         :class:`ResumePoint` with ``restored=False`` when there is no checkpoint yet.
         """
         self._check_open()
-        start = time.perf_counter()
         self._refresh()
-        restored = self.manager.load(lambda: {"training": training_state(self.accelerator)}, step=step)
+        restored = self.session.restore(
+            lambda: {"training": training_state(self.accelerator)},
+            step=step,
+            per_rank="each rank's RNG, data loader cursor and registered objects (the resumed epoch skips its "
+            "trained batches with the new sharding)",
+        )
         if restored is None:
-            self.session.restored(None, time.perf_counter() - start)
+            self.session.restored(None)
             return ResumePoint()
         where = f"checkpoint step {restored.step} ({restored.path})"
         load_training_state(self.accelerator, restored.state["training"], where)
@@ -243,16 +243,6 @@ class ResilienceHandle:
         self.accelerator.step = progress["accelerator_step"]
         self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
         rank_state = restored.rank_state
-        if restored.manifest.world_size != self.accelerator.num_processes:
-            rank_state = None
-            if self.accelerator.is_main_process:
-                warnings.warn(
-                    f"{where} was saved by {restored.manifest.world_size} processes and this run has "
-                    f"{self.accelerator.num_processes}: models, optimizers and schedulers are restored (resharded), "
-                    "but per-rank RNG, data loader cursors and registered objects are not; the resumed epoch "
-                    "skips its trained batches with the new sharding",
-                    stacklevel=2,
-                )
         if rank_state is not None:
             load_object_states(self.accelerator, rank_state["objects"], where)
             load_loader_states(compat.dataloaders(self.accelerator), rank_state["loaders"], where)
@@ -262,9 +252,7 @@ class ResilienceHandle:
             self._tracker.resume_at(epoch, batch, positioned=positioned)
         rng = rank_state["rng"] if rank_state is not None else None
         at_next_batch = rank_state is not None and rank_state["rng_at_next_batch"] and self._tracker is not None
-        self.session.restored(
-            restored, time.perf_counter() - start, rng=rng, rng_at="next_batch" if at_next_batch else "now"
-        )
+        self.session.restored(restored, rng=rng, rng_at="next_batch" if at_next_batch else "now")
         if self.accelerator.is_main_process:
             log.info("resumed from %s at epoch %d, batch %d, global step %d", where, epoch, batch, restored.step)
         return ResumePoint(
@@ -404,30 +392,10 @@ class ResilienceHandle:
 
     # ---- Accelerator methods routed here ----------------------------------------------------------------------
 
-    def _step_of(self, location: str | os.PathLike[str]) -> tuple[bool, int | None]:
-        """Whether ``location`` is this plugin's root (or a ``step-<N>`` folder in it), and that step."""
-        text = os.fspath(location).rstrip("/")
-        roots = [self.manager.config.local_root]
-        if self.manager.config.durable_url:
-            roots.append(self.manager.config.durable_url.rstrip("/"))
-
-        def same(path: str, root: str) -> bool:
-            if "://" in path or "://" in root:
-                return path == root
-            return os.path.abspath(os.path.expanduser(path)) == os.path.abspath(root)
-
-        if any(same(text, root) for root in roots):
-            return True, None
-        step = parse_step_dirname(text)
-        parent = text.rsplit("/", 1)[0] if "/" in text else "."
-        if step is not None and any(same(parent, root) for root in roots):
-            return True, step
-        return False, None
-
     def _routed_save_state(
         self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str | None:
-        ours, _ = self._step_of(output_dir) if output_dir is not None else (True, None)
+        ours, _ = self.manager.config.locate(output_dir) if output_dir is not None else (True, None)
         if ours:
             handle = self.save()
             return self.manager.local.step_path(handle.step) if handle is not None else None
@@ -441,7 +409,7 @@ class ResilienceHandle:
     def _routed_load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> ResumePoint | None:
-        ours, step = self._step_of(input_dir) if input_dir is not None else (True, None)
+        ours, step = self.manager.config.locate(input_dir) if input_dir is not None else (True, None)
         if ours:  # also the examples' --resume_from_checkpoint <dir>/step-N
             return self.resume(step)
         if "://" in os.fspath(input_dir):  # type: ignore[arg-type]
@@ -468,13 +436,6 @@ class ResilienceHandle:
         original = self._originals["end_training"]
         self.close()  # before the process group goes: the last saves still need it (exits after a stop)
         original()
-
-
-def _incarnation_start() -> float | None:
-    """The first ledger of a process starts at the process's start (imports count as startup); later ones now."""
-    global _process_accounted
-    first, _process_accounted = not _process_accounted, True
-    return process_start_time() if first else time.time()
 
 
 def attach(

@@ -1,23 +1,16 @@
 """The plugin dataclass: checkpoint settings for an Accelerate job, defaulting from ``ACCELERATE_RESILIENCE_*``.
 
-``accelerate launch`` configures Accelerate's own plugins through environment variables that their
-``__post_init__`` reads (``FullyShardedDataParallelPlugin`` reads ``FSDP_*``), and its YAML config rejects keys
-it does not know. The environment is therefore the one channel a launcher, a SLURM script or a cluster
-template can use to configure a third-party plugin without editing the training script; this plugin reads it
-the same way: a field left at ``None`` takes its variable, else its default.
+``accelerate launch``'s YAML config rejects keys it does not know, so the environment is the one channel a
+launcher, a SLURM script or a cluster template has to configure a third-party plugin without editing the
+training script (:mod:`resilience.env_settings`).
 """
 
 from __future__ import annotations
 
-import copy
-import difflib
-import json
-import os
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from resilience import env_settings as env
 from resilience.config import CheckpointConfig
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
@@ -25,60 +18,11 @@ from resilience.session import GoodputConfig, IntervalConfig
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
 DEFAULT_KEEP_LAST = 3
-AUTO = "auto"
+_ENGINE_NAMES = {"span_s": "goodput_span_s", "window_steps": "data_window_steps"}  # GoodputConfig's, these fields'
 
 
 def env_name(field_name: str) -> str:
-    return ENV_PREFIX + field_name.upper()
-
-
-def _text(name: str, raw: str) -> str:
-    return raw
-
-
-def _integer(name: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a whole number: set it to one, e.g. {name}=3") from None
-
-
-def _number(name: str, raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number: set it to one, e.g. {name}=0.5") from None
-
-
-def _steps(name: str, raw: str) -> int | str:
-    return AUTO if raw.strip().lower() == AUTO else _integer(name, raw)
-
-
-def _boolean(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a boolean: use true/false (or 1/0, yes/no, on/off)")
-
-
-def _json_object(name: str, raw: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{name} is not valid JSON ({exc.msg} at position {exc.pos}): give a JSON object, "
-            f'e.g. {name}=\'{{"endpoint_url": "http://127.0.0.1:9000"}}\''
-        ) from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a JSON object of fsspec options, not a {type(value).__name__}")
-    return value
-
-
-def _env(default: Any, parse: Callable[[str, str], Any]) -> dict[str, Any]:
-    """Field metadata: how ``__post_init__`` fills a field left at ``None`` (its variable, else ``default``)."""
-    return {"default": default, "parse": parse}
+    return env.env_name(ENV_PREFIX, field_name)
 
 
 @dataclass
@@ -145,52 +89,47 @@ class ResiliencePlugin:
             starving (a warning names the likely cause). Default: 0.05.
     """
 
-    local_dir: str | None = field(default=None, metadata=_env(None, _text))
-    durable_url: str | None = field(default=None, metadata=_env(None, _text))
-    storage_options: dict[str, Any] | None = field(default=None, repr=False, metadata=_env({}, _json_object))
-    every_n_steps: int | Literal["auto"] | None = field(default=None, metadata=_env(None, _steps))
-    keep_last: int | None = field(default=None, metadata=_env(None, _integer))
-    keep_every: int | None = field(default=None, metadata=_env(None, _integer))
-    async_staging: bool | None = field(default=None, metadata=_env(True, _boolean))
-    when_busy: str | None = field(default=None, metadata=_env("wait", _text))
-    on_upload_error: str | None = field(default=None, metadata=_env("raise", _text))
-    verify: str | None = field(default=None, metadata=_env("auto", _text))
-    fsync: bool | None = field(default=None, metadata=_env(True, _boolean))
-    upload_concurrency: int | None = field(default=None, metadata=_env(8, _integer))
-    upload_retries: int | None = field(default=None, metadata=_env(5, _integer))
-    upload_backoff_s: float | None = field(default=None, metadata=_env(0.5, _number))
-    local_shared: bool | None = field(default=None, metadata=_env(None, _boolean))
-    allow_pickle: bool | None = field(default=None, metadata=_env(False, _boolean))
-    health: bool | None = field(default=None, metadata=_env(False, _boolean))
-    grace_s: float | None = field(default=None, metadata=_env(25.0, _number))
-    survivor_saves: bool | None = field(default=None, metadata=_env(True, _boolean))
-    persist: str | None = field(default=None, metadata=_env("process", _text))
-    mtbf_hours: float | None = field(default=None, metadata=_env(None, _number))
-    min_interval_s: float | None = field(default=None, metadata=_env(60.0, _number))
-    max_interval_s: float | None = field(default=None, metadata=_env(6 * 3600.0, _number))
-    goodput: bool | None = field(default=None, metadata=_env(True, _boolean))
-    run_dir: str | None = field(default=None, metadata=_env(None, _text))
-    goodput_span_s: float | None = field(default=None, metadata=_env(10.0, _number))
-    data_window_steps: int | None = field(default=None, metadata=_env(50, _integer))
-    starvation_threshold: float | None = field(default=None, metadata=_env(0.05, _number))
+    local_dir: str | None = env.setting(None, env.text)
+    durable_url: str | None = env.setting(None, env.text)
+    storage_options: dict[str, Any] | None = env.setting({}, env.json_object, repr=False)
+    every_n_steps: int | Literal["auto"] | None = env.setting(None, env.steps)
+    keep_last: int | None = env.setting(None, env.integer)
+    keep_every: int | None = env.setting(None, env.integer)
+    async_staging: bool | None = env.setting(True, env.boolean)
+    when_busy: str | None = env.setting("wait", env.text)
+    on_upload_error: str | None = env.setting("raise", env.text)
+    verify: str | None = env.setting("auto", env.text)
+    fsync: bool | None = env.setting(True, env.boolean)
+    upload_concurrency: int | None = env.setting(8, env.integer)
+    upload_retries: int | None = env.setting(5, env.integer)
+    upload_backoff_s: float | None = env.setting(0.5, env.number)
+    local_shared: bool | None = env.setting(None, env.boolean)
+    allow_pickle: bool | None = env.setting(False, env.boolean)
+    health: bool | None = env.setting(False, env.boolean)
+    grace_s: float | None = env.setting(25.0, env.number)
+    survivor_saves: bool | None = env.setting(True, env.boolean)
+    persist: str | None = env.setting("process", env.text)
+    mtbf_hours: float | None = env.setting(None, env.number)
+    min_interval_s: float | None = env.setting(60.0, env.number)
+    max_interval_s: float | None = env.setting(6 * 3600.0, env.number)
+    goodput: bool | None = env.setting(True, env.boolean)
+    run_dir: str | None = env.setting(None, env.text)
+    goodput_span_s: float | None = env.setting(10.0, env.number)
+    data_window_steps: int | None = env.setting(50, env.integer)
+    starvation_threshold: float | None = env.setting(0.05, env.number)
     from_env: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _warn_unknown_variables({item.name for item in fields(self) if item.init})
-        for item in fields(self):
-            if not item.init or getattr(self, item.name) is not None:
-                continue
-            name = env_name(item.name)
-            raw = os.environ.get(name, "").strip()
-            if raw:
-                setattr(self, item.name, item.metadata["parse"](name, raw))
-                self.from_env[item.name] = name
-            else:
-                setattr(self, item.name, copy.deepcopy(item.metadata["default"]))
+        self.from_env = env.fill_from_env(self, ENV_PREFIX)
         if not isinstance(self.storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, not {type(self.storage_options)}")
-        self._check_ranges()
-        self.checkpoint_config(local_dir=self.local_dir or ".")  # checks the rest now, not at the first save
+        try:  # every setting is checked now, not at the first save
+            self.interval_config()
+            self.goodput_config(".")
+            self.health_config(False)
+        except ConfigError as exc:
+            raise ConfigError(env.blame(str(exc), self.from_env, _ENGINE_NAMES)) from None
+        self.checkpoint_config(local_dir=self.local_dir or ".")
 
     def checkpoint_config(self, *, local_dir: str | None = None, keep_last: int | None = None) -> CheckpointConfig:
         """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator."""
@@ -201,90 +140,22 @@ class ResiliencePlugin:
                 "Accelerator a ProjectConfiguration(project_dir=...)"
             )
         try:
-            return CheckpointConfig(
+            return env.pick(
+                CheckpointConfig,
+                self,
                 local_root=root,
                 durable_url=self.durable_url or None,
-                storage_options=dict(self.storage_options or {}),
                 keep_last=self.keep_last or keep_last or DEFAULT_KEEP_LAST,
-                keep_every=self.keep_every,
-                when_busy=self.when_busy,  # type: ignore[arg-type]
-                async_staging=bool(self.async_staging),
-                on_upload_error=self.on_upload_error,  # type: ignore[arg-type]
-                verify=self.verify,  # type: ignore[arg-type]
-                allow_pickle=bool(self.allow_pickle),
-                fsync=bool(self.fsync),
-                upload_concurrency=int(self.upload_concurrency or 0),
-                upload_retries=int(self.upload_retries if self.upload_retries is not None else 0),
-                upload_backoff_s=float(self.upload_backoff_s if self.upload_backoff_s is not None else 0),
-                local_shared=self.local_shared,
-                persist=self.persist,  # type: ignore[arg-type]
             )
         except ConfigError as exc:
-            raise ConfigError(self._blame(str(exc))) from None
+            raise ConfigError(env.blame(str(exc), self.from_env)) from None
 
     def interval_config(self) -> IntervalConfig:
-        every = self.every_n_steps
-        return IntervalConfig(
-            every_n_steps=every,
-            mtbf_hours=self.mtbf_hours,
-            min_interval_s=float(self.min_interval_s or 0),
-            max_interval_s=float(self.max_interval_s or 0),
-        )
+        return env.pick(IntervalConfig, self)
 
     def goodput_config(self, run_dir: str) -> GoodputConfig:
-        return GoodputConfig(
-            run_dir=run_dir,
-            span_s=float(self.goodput_span_s or 0),
-            window_steps=int(self.data_window_steps or 0),
-            starvation_threshold=float(self.starvation_threshold or 0),
-        )
+        return env.pick(GoodputConfig, self, _ENGINE_NAMES, run_dir=run_dir)
 
     def health_config(self, cuda: bool) -> HealthConfig:
         """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU)."""
-        return HealthConfig(nvml=cuda, grace_s=float(self.grace_s or 0))
-
-    def _check_ranges(self) -> None:
-        every, low, high = self.every_n_steps, self.min_interval_s, self.max_interval_s
-        rules = (
-            (
-                "every_n_steps",
-                every is None or every == AUTO or (isinstance(every, int) and every >= 1),
-                "use a positive number of optimizer steps or 'auto', or leave it unset to save only when save() "
-                "is called",
-            ),
-            ("mtbf_hours", self.mtbf_hours is None or self.mtbf_hours > 0, "use a positive number of hours"),
-            ("min_interval_s", low is not None and low > 0, "use a positive number of seconds"),
-            (
-                "max_interval_s",
-                high is not None and low is not None and high >= low,
-                f"use at least min_interval_s ({low})",
-            ),
-            ("goodput_span_s", self.goodput_span_s is not None and self.goodput_span_s >= 0, "use 0 or more seconds"),
-            ("grace_s", self.grace_s is not None and self.grace_s > 0, "use a positive number of seconds"),
-            ("data_window_steps", self.data_window_steps is not None and self.data_window_steps >= 1, "use 1 or more"),
-            (
-                "starvation_threshold",
-                self.starvation_threshold is not None and 0 < self.starvation_threshold < 1,
-                "use a fraction of step time between 0 and 1, e.g. 0.05",
-            ),
-        )
-        for name, valid, fix in rules:
-            if not valid:
-                raise ConfigError(self._blame(f"{name}={getattr(self, name)!r}: {fix}"))
-
-    def _blame(self, message: str) -> str:
-        """Name the environment variable behind a bad value: the fix is there, not in the script."""
-        for name, variable in self.from_env.items():
-            if message.startswith(f"{name}="):
-                return f"{message} (set by {variable})"
-        return message
-
-
-def _warn_unknown_variables(known: set[str]) -> None:
-    """An ``ACCELERATE_RESILIENCE_*`` variable no field reads is a typo that would silently do nothing."""
-    names = {env_name(name): name for name in known}
-    for variable in sorted(os.environ):
-        if variable.startswith(ENV_PREFIX) and variable not in names:
-            close = difflib.get_close_matches(variable, list(names), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else f"; the fields are {', '.join(sorted(names))}"
-            warnings.warn(f"{variable} is not a ResiliencePlugin setting and is ignored{hint}", stacklevel=4)
+        return env.pick(HealthConfig, self, nvml=cuda)

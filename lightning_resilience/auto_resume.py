@@ -14,15 +14,11 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_resilience.checkpoint_io import (
-    ResilientCheckpointIO,
-    calling_trainer,
-    live_checkpoint_ios,
-    write_resume_marker,
-)
+from lightning_resilience.checkpoint_io import ResilientCheckpointIO, calling_trainer, live_checkpoint_ios
 from lightning_resilience.session_callback import SessionCallback
 from resilience import catalog
 from resilience.errors import ConfigError, ResilienceError
+from resilience.names import write_resume_marker
 
 # With this callback, fit(ckpt_path=None) resolving to the newest checkpoint is the point, and a first launch
 # with nothing saved yet is normal; Lightning's warnings about both would only mislead.
@@ -75,7 +71,7 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     def ckpt_path(self) -> str | None:  # type: ignore[override]
         """Evaluated by Lightning before the process group exists, so it only reads storage (same on every rank)."""
         try:
-            found = catalog.candidates(self.io.tiers())
+            found = catalog.candidates(self.io.config.tiers())
         except ResilienceError:
             raise
         except Exception as exc:
@@ -86,7 +82,7 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
         if trainer is not None and found[0].manifest is not None:
             # now, before the Trainer first asks its loggers for their folders (the profiler, ModelCheckpoint)
             continue_loggers(trainer, found[0].manifest.extra.get("logger_versions") or [], found[0].step)
-        return write_resume_marker(self.io)
+        return write_resume_marker(self.io.config.local_root)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

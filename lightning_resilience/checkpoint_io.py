@@ -9,17 +9,16 @@ to it: that Trainer's loggers receive the pack's metrics and its hooks drive the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import sys
-import time
 import weakref
 from collections.abc import Collection
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -29,30 +28,29 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_resilience.lightning_state import (
-    as_name,
     boundary_snapshot,
-    drop_foreign_rank_state,
     full_state,
     is_weights_only,
     merge_checkpoint,
     saved_at_epoch_end,
     split_checkpoint,
 )
-from lightning_resilience.names import FILE, SHARDED, NameWriter
-from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError, catalog
+from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
+from resilience.dist import first_process_of_node, is_distributed
 from resilience.export import write_file_atomically
-from resilience.layout import parse_step_dirname
+from resilience.names import FILE, SHARDED, NameWriter, resolve
 from resilience.peer_loss import PeerLossConfig
+from resilience.rng import restore_rng
 from resilience.session import TrainingSession
 from resilience.staging import barrier_for
-from resilience.storage import DurableTier, LocalTier, Tier
+from resilience.storage import LocalTier
+from resilience.tree import tensor_bytes
 
 log = logging.getLogger(__name__)
 ENGINE_LOGGERS = ("resilience", "lightning_resilience")
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
-RESUME_MARKER = "resume.ckpt"  # AutoResume's ckpt_path: "the newest committed checkpoint that verifies"
-_MARKER_FORMAT = "training-resilience/resume"
+_CONFIG_FIELDS = {item.name for item in dataclasses.fields(CheckpointConfig)}
 
 
 class ResilientCheckpointIO(CheckpointIO):
@@ -117,31 +115,14 @@ class ResilientCheckpointIO(CheckpointIO):
         persist: Persist = "process",
         survivor_saves: bool = True,
     ) -> None:
-        self.config = CheckpointConfig(
-            local_root=LocalTier(local_root).root,
-            durable_url=durable_url,
-            storage_options=dict(storage_options or {}),
-            keep_last=keep_last,
-            keep_every=keep_every,
-            async_staging=async_staging,
-            staging_barrier=staging_barrier,
-            when_busy=when_busy,
-            verify=verify,
-            fsync=fsync,
-            upload_concurrency=upload_concurrency,
-            upload_retries=upload_retries,
-            upload_backoff_s=upload_backoff_s,
-            on_upload_error=on_upload_error,
-            allow_pickle=allow_pickle,
-            local_shared=local_shared,
-            collective_timeout_s=collective_timeout_s,
-            persist=persist,
-        )
+        arguments = dict(locals())
+        settings = {name: value for name, value in arguments.items() if name in _CONFIG_FIELDS}
+        settings.update(local_root=LocalTier(local_root).root, storage_options=dict(storage_options or {}))
+        self.config = CheckpointConfig(**settings)
         self.survivor_saves = survivor_saves
-        if _first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
-            LocalTier(self.config.local_root).check_writable()
-            if durable_url:
-                DurableTier(durable_url, self.config.storage_options).check_writable()
+        if first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
+            for tier in self.config.tiers():
+                tier.check_writable()
         self._trainer: pl.Trainer | None = None
         self._manager: CheckpointManager | None = None
         self._session: TrainingSession | None = None
@@ -188,7 +169,7 @@ class ResilientCheckpointIO(CheckpointIO):
                 config = dataclasses.replace(config, pack_tensor_bytes=0)
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
             if self._manager.rank == 0:
-                self._names = NameWriter(self._manager.local, as_name, allow_pickle=self.config.allow_pickle)
+                self._names = NameWriter(self._manager.local, allow_pickle=self.config.allow_pickle)
                 self._names.repair(self._manager.committed_steps())
         return self._manager
 
@@ -221,7 +202,7 @@ class ResilientCheckpointIO(CheckpointIO):
         Lightning's sharded checkpoint directory (:data:`SHARDED`), always made from the committed step.
         """
         trainer = calling_trainer() or self._trainer
-        if _several_processes() and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False):
+        if is_distributed() and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False):
             # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
             # this way); a collective save would wait for ranks that never come: save as Lightning does, once.
             if not self._warned_rank0_only:
@@ -234,8 +215,9 @@ class ResilientCheckpointIO(CheckpointIO):
             TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         session = self.bind(trainer) if trainer is not None else self.session
-        step = int(checkpoint.get("global_step", 0))
-        fitting = _fitting(trainer)
+        step, names, fitting = int(checkpoint.get("global_step", 0)), self._names, _fitting(trainer)
+        # small, or nothing to overlap with: the name is there when the call returns, as with Lightning's plugin
+        now = not fitting or tensor_bytes(checkpoint) < self.sync_names_below_mb * 2**20
         with session.blocking():
             handle = session.manager.saved(step)
             if handle is None:
@@ -245,38 +227,22 @@ class ResilientCheckpointIO(CheckpointIO):
                 else:
                     state = split_checkpoint(checkpoint, trainer)
                 handle = session.save(step, state, reason="named")
-            keys, run_id = list(checkpoint), session.manager.run_id
-            if layout == SHARDED:
-                written = None
-                if self._names is not None and handle is not None:
-                    written = self._names.add(os.fspath(path), step, keys, handle, run_id, layout=SHARDED)
-                if not fitting or _tensor_bytes(checkpoint) < self.sync_names_below_mb * 2**20:
-                    if handle is not None:
-                        handle.committed.result()
-                    if written is not None:
-                        written.result()
+            path, keys, run_id = os.fspath(path), list(checkpoint), session.manager.run_id
+            if layout == SHARDED or not now:  # written from the committed step, in the background
+                if handle is not None:  # None: skipped (when_busy="skip"), so no step to name
+                    written = names.add(path, step, keys, handle, run_id, storage_options, layout) if names else None
+                    if now:
+                        (written or handle.committed).result()
                 return
-            if fitting and _tensor_bytes(checkpoint) >= self.sync_names_below_mb * 2**20:
-                if self._names is not None and handle is not None:
-                    self._names.add(os.fspath(path), step, keys, handle, run_id, storage_options)
-                return
-            if fitting:  # small: the name is there when the call returns, as with Lightning's own plugin
-                if handle is not None:
-                    handle.committed.result()
-                if self._names is not None:
-                    write_file_atomically(
-                        {**checkpoint, **self._names.metadata(step, run_id)}, path, storage_options=storage_options
-                    )
-                    self._names.written(os.fspath(path), step, keys, run_id)
-                return
-        # nothing to overlap with: the file is there when the call returns, written by Lightning's own plugin
-        if self._names is not None:
-            TorchCheckpointIO().save_checkpoint(
-                {**checkpoint, **self._names.metadata(step, run_id)}, path, storage_options=storage_options
-            )
-            self._names.written(os.fspath(path), step, keys, run_id)
-        if handle is not None:
-            handle.committed.result()
+            if handle is not None:
+                handle.committed.result()
+            if names is not None:  # from the dict in hand; outside fit() by Lightning's own plugin
+                named = {**checkpoint, **names.metadata(step, run_id)}
+                if fitting:
+                    write_file_atomically(named, path, storage_options=storage_options)
+                else:
+                    TorchCheckpointIO().save_checkpoint(named, path, storage_options=storage_options)
+                names.written(path, step, keys, run_id)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -293,79 +259,31 @@ class ResilientCheckpointIO(CheckpointIO):
         strategy's DTensors, which are resharded to this run's layout), or a function making them once a
         checkpoint is found; ``leave_out``: top-level keys not to read.
         """
-        start = time.perf_counter()
         session = self.session
-        manager = session.manager
-        restored = manager.load(target, step=step, leave_out=leave_out)
+        restored = session.restore(target, step=step, leave_out=leave_out, per_rank="each rank's RNG and data position")
         if restored is None:
+            where = " or ".join(tier.display(tier.root) for tier in self.config.tiers())
             raise NoCheckpointError(
-                f"No committed checkpoint verifies under {self.config.local_root}"
-                f"{' or ' + self.config.durable_url if self.config.durable_url else ''}: "
-                "start without ckpt_path, or run `resilience ls` to see what is there"
+                f"No committed checkpoint verifies under {where}: start without ckpt_path, or run `resilience ls`"
             )
-        where = f"step {restored.step} ({restored.path})"
-        rank_state = drop_foreign_rank_state(
-            restored.rank_state, restored.manifest.world_size, manager.world_size, where
-        )
         self.resumed_at_epoch_end = saved_at_epoch_end(restored.state)
-        rng = rank_state["rng"] if rank_state is not None else None
+        rng = restored.rank_state["rng"] if restored.rank_state is not None else None
         if rng is not None:
-            from resilience.rng import restore_rng
-
             restore_rng(rng)  # now, and again where the saved run stood (AutoResume and the session do that)
-        session.restored(
-            restored,
-            time.perf_counter() - start,
-            rng=rng,
-            rng_at="start" if self.resumed_at_epoch_end else "next_batch",
-        )
+        session.restored(restored, rng=rng, rng_at="start" if self.resumed_at_epoch_end else "next_batch")
         checks = "every file's checksum" if self.config.verify != "size" else "sizes and small files' checksums"
         rank_zero_info(
             f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}), verified: {checks}"
         )
-        return merge_checkpoint(restored.state, rank_state)
+        return merge_checkpoint(restored.state, restored.rank_state)
 
     def resolve(self, path: str) -> tuple[int | None, str | None]:
-        """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would).
-
-        No collectives: a sharded strategy resolves on rank 0 only and broadcasts the answer.
-        """
-        if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
-            return None, None
-        step = parse_step_dirname(path)
-        if step is not None and os.path.isdir(path):
-            return step, None
-        names = self._names if self._names is not None else self._peek_names()
-        name = names.lookup(path) if names is not None else None
-        pending = names.pending(path) if names is not None else None
-        if pending is not None:
-            pending.result()  # a save of this path is in flight: load what it writes, once it is written
-        if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and self._holds(name.step):
-            return name.step, None  # the engine's copy: verified, and every rank's own state
-        if os.path.exists(os.path.realpath(path)) or "://" in path:
-            return None, path
-        if name is not None:
-            rank_zero_warn(f"{path} was never written (its process ended first); loading step {name.step}")
-            return name.step, None
-        raise FileNotFoundError(f"Checkpoint {path} does not exist: pass an existing file, or ckpt_path='last'")
-
-    def tiers(self) -> list[Tier]:
-        """The engine's tiers, as storage (no engine, no collectives): the local root, and the durable URL."""
-        tiers: list[Tier] = [LocalTier(self.config.local_root)]
-        if self.config.durable_url:
-            tiers.append(DurableTier(self.config.durable_url, self.config.storage_options))
-        return tiers
-
-    def _holds(self, step: int) -> bool:
-        """Whether the engine still has ``step`` (retention may have deleted it; its name is a checkpoint itself)."""
-        return any(entry.step == step for entry in catalog.candidates(self.tiers()))
-
-    def _peek_names(self) -> NameWriter | None:
-        """The name record, read-only, where this process writes no names (other ranks look up steps in it)."""
-        try:
-            return NameWriter(LocalTier(self.config.local_root), as_name, allow_pickle=self.config.allow_pickle)
-        except OSError:
-            return None
+        """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would)."""
+        names = self._names
+        if names is None:  # this process writes no names: read the record (other ranks look up steps in it)
+            with contextlib.suppress(OSError):
+                names = NameWriter(LocalTier(self.config.local_root), allow_pickle=self.config.allow_pickle)
+        return resolve(path, names, self.config.tiers())
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the name (its file); the step stays until retention, which never deletes one mid-save."""
@@ -404,23 +322,6 @@ def live_checkpoint_ios() -> list[ResilientCheckpointIO]:
     return list(_LIVE)
 
 
-def write_resume_marker(io: ResilientCheckpointIO) -> str:
-    path = os.path.join(io.config.local_root, RESUME_MARKER)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as stream:
-        stream.write(f'{{"format": "{_MARKER_FORMAT}"}}\n')
-    os.replace(tmp, path)
-    return path
-
-
-def _is_marker(path: str) -> bool:
-    try:
-        with open(path) as stream:
-            return _MARKER_FORMAT in stream.read(256)
-    except OSError:
-        return False
-
-
 def calling_trainer() -> pl.Trainer | None:
     """The Trainer whose save or load is running (``Trainer.save_checkpoint``, the checkpoint connector)."""
     frame = sys._getframe(1)
@@ -441,24 +342,6 @@ def _fitting(trainer: pl.Trainer | None) -> bool:
     return (
         trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
     )
-
-
-def _tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
-
-
-def _several_processes() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _first_process_of_node() -> bool:
-    return all(os.environ.get(name, "0") in ("", "0") for name in ("LOCAL_RANK", "SLURM_LOCALID"))
 
 
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

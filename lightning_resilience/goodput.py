@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import lightning.pytorch as pl
 
 from lightning_resilience.session_callback import SessionCallback
-from resilience.goodput.ledger import process_start_time
 from resilience.session import GoodputConfig, TrainingSession
-
-_process_accounted = False  # whether a ledger of this process already counted the process's start-up
 
 
 class GoodputMonitor(SessionCallback):
@@ -42,13 +37,5 @@ class GoodputMonitor(SessionCallback):
         self.span_s = span_s
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
-        global _process_accounted
-        config = GoodputConfig(
-            run_dir=self.run_dir or trainer.default_root_dir,
-            span_s=self.span_s,
-            window_steps=self.window_steps,
-            starvation_threshold=self.starvation_threshold,
-        )
-        # the first fit of a process began with the process (imports count as startup); later ones begin now
-        first, _process_accounted = not _process_accounted, True
-        session.use_goodput(config, process_start=process_start_time() if first else time.time())
+        run_dir = self.run_dir or trainer.default_root_dir
+        session.use_goodput(GoodputConfig(run_dir, self.span_s, self.window_steps, self.starvation_threshold))

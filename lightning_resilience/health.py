@@ -63,37 +63,14 @@ class HealthGuardCallback(SessionCallback):
         exit_timeout_s: float = 60.0,
         inject: str | None = None,
     ) -> None:
-        kwargs: dict[str, Any] = {"inject": inject} if inject is not None else {}
-        self.config = HealthConfig(
-            nvml=nvml,
-            devices=devices,
-            poll_interval_s=poll_interval_s,
-            signals=tuple(signals),
-            fault_table=fault_table,
-            check_every_n_steps=check_every_n_steps,
-            save_on_degraded=save_on_degraded,
-            grace_s=grace_s,
-            exit_code_preempted=exit_code_preempted,
-            exit_code_gpu_fault=exit_code_gpu_fault,
-            exit_timeout_s=exit_timeout_s,
-            watchdog=watchdog,
-            hang_factor=hang_factor,
-            hang_min_s=hang_min_s,
-            hang_min_samples=hang_min_samples,
-            hang_window=hang_window,
-            **kwargs,
-        )
-        self.last_emergency: EmergencySave | None = None
+        arguments = dict(locals())
+        settings = {name: value for name, value in arguments.items() if name != "self" and value is not None}
+        self.config = HealthConfig(**{**settings, "signals": tuple(signals)})  # None: HealthConfig's default
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         session.use_health(self.config)  # collective: the agreement's gloo group
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        session = self._session
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:
-            if session is not None:
-                self.last_emergency = session.last_emergency
+    @property
+    def last_emergency(self) -> EmergencySave | None:
+        """The emergency save of this fit, once one was made."""
+        return self._session.last_emergency if self._session is not None else None

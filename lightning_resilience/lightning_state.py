@@ -13,7 +13,6 @@ import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from resilience.formats.lightning_ckpt import (
     LOADER_PATH,
@@ -21,6 +20,7 @@ from resilience.formats.lightning_ckpt import (
     is_weights_only,
     merge_checkpoint,
     saved_at_epoch_end,
+    split_loaders,
 )
 from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
@@ -29,7 +29,6 @@ from resilience.session import SaveState
 __all__ = [
     "as_name",
     "boundary_snapshot",
-    "drop_foreign_rank_state",
     "full_state",
     "is_weights_only",
     "logger_versions",
@@ -42,18 +41,7 @@ __all__ = [
 def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = None) -> SaveState:
     """(shared state, this rank's state, manifest extras); the caller's dict is not modified. With the
     ``trainer``, the extras also name its loggers' versions, which a resume continues."""
-    shared = dict(checkpoint)
-    loaders = None
-    node: dict[str, Any] = shared
-    for key in LOADER_PATH[:-1]:
-        child = node.get(key)
-        if not isinstance(child, dict):
-            break
-        child = dict(child)  # copy along the path only
-        node[key] = child
-        node = child
-    else:
-        loaders = node.pop(LOADER_PATH[-1], None)
+    shared, loaders = split_loaders(checkpoint)
     rank_state = {"rng": capture_rng(), "combined_loader": loaders}
     extra: dict[str, Any] = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
     if trainer is not None:
@@ -90,15 +78,3 @@ def boundary_snapshot(trainer: pl.Trainer, step: int) -> BoundarySnapshot:
         return dataclasses.replace(split_checkpoint(checkpoint, trainer), rank_state=rank_state)
 
     return BoundarySnapshot(step, rank_state, shared)
-
-
-def drop_foreign_rank_state(rank_state: Any, saved_world: int, world: int, where: str) -> Any:
-    """Per-rank state (RNG, loader position) of another world size does not fit this one: drop it, say so."""
-    if saved_world == world:
-        return rank_state
-    rank_zero_warn(
-        f"{where} was saved by {saved_world} processes and this run has {world}: the model, optimizers and "
-        "schedulers are restored (resharded), but each rank's RNG and data loader position start afresh "
-        "(the interrupted epoch is replayed from its start)"
-    )
-    return None

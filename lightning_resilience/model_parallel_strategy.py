@@ -8,8 +8,8 @@ DTensor shards to the engine: staged into reused host buffers, written in the ba
 The state dicts it takes are the live ones (Lightning's copy them to CPU first, ``cpu_offload=True``: a
 blocking device-to-host copy into fresh memory on every save); the engine's staging is the one copy. Loads
 reshard: a checkpoint saved on one layout (dp=2) resumes on another (dp=1, tp=2). Names are Lightning's own
-sharded checkpoint directories (``sharded_names.py``), which a stock ``ModelParallelStrategy`` and
-``consolidate_checkpoint`` read.
+sharded checkpoint directories (:mod:`resilience.formats.lightning_sharded`), which a stock
+``ModelParallelStrategy`` and ``consolidate_checkpoint`` read.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
-from lightning_resilience.names import SHARDED
 from lightning_resilience.strategy import EveryRankSaves
+from resilience.names import SHARDED
 
 
 class ResilientModelParallelStrategy(EveryRankSaves, ModelParallelStrategy):

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from resilience.errors import ConfigError
+from resilience.layout import parse_step_dirname
+from resilience.storage import DurableTier, LocalTier, Tier
 
 WhenBusy = Literal["wait", "skip"]
 VerifyLevel = Literal["auto", "size", "full"]
@@ -125,6 +127,34 @@ class CheckpointConfig:
                 "upload_retries and upload_backoff_s must be >= 0 and collective_timeout_s > 0 "
                 f"(got {self.upload_retries}, {self.upload_backoff_s}, {self.collective_timeout_s})"
             )
+
+    def tiers(self) -> list[Tier]:
+        """The tiers as storage, local first (no engine, no collectives: e.g. to look for checkpoints)."""
+        tiers: list[Tier] = [LocalTier(self.local_root)]
+        if self.durable_url:
+            tiers.append(DurableTier(self.durable_url, self.storage_options))
+        return tiers
+
+    def locate(self, location: str | os.PathLike[str]) -> tuple[bool, int | None]:
+        """Whether ``location`` names one of these tiers' roots (or a ``step-<N>`` folder in one), and that step.
+
+        Frameworks' own save and load calls take a folder; those naming this engine's are routed to it.
+        """
+        text = os.fspath(location).rstrip("/")
+        roots = [os.fspath(self.local_root)] + ([self.durable_url.rstrip("/")] if self.durable_url else [])
+
+        def same(path: str, root: str) -> bool:
+            if "://" in path or "://" in root:
+                return path == root
+            return os.path.abspath(os.path.expanduser(path)) == os.path.abspath(root)
+
+        if any(same(text, root) for root in roots):
+            return True, None
+        step = parse_step_dirname(text)
+        parent = text.rsplit("/", 1)[0] if "/" in text else "."
+        if step is not None and any(same(parent, root) for root in roots):
+            return True, step
+        return False, None
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

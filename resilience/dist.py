@@ -37,6 +37,11 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def first_process_of_node() -> bool:
+    """Whether the launcher made this the first process of its node (before any process group exists)."""
+    return all(os.environ.get(name, "0") in ("", "0") for name in ("LOCAL_RANK", "SLURM_LOCALID"))
+
+
 @dataclass
 class Topology:
     """Where the ranks run: ``hosts[r]`` is rank r's hostname; ``nodes[r]`` its :func:`node_identity`, which

@@ -1,4 +1,4 @@
-"""The ``.ckpt`` names Lightning reports, written as ordinary Lightning checkpoint files.
+"""Names: the checkpoint files a framework reports (Lightning's ``.ckpt``), written from committed steps.
 
 ``ModelCheckpoint`` and ``trainer.save_checkpoint(path)`` name, rank, link and delete checkpoint *files*, and
 users load those files with ``Model.load_from_checkpoint``, ``torch.load`` or a Trainer without this pack. The
@@ -9,11 +9,12 @@ that is then renamed over the name. So a name never exists before its data is co
 partly written file.
 
 Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
-step without writing its tensors again (``sharded_names.py``).
+step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`).
 
 Names are recorded in ``<local_root>/names.json`` (path, step, what was asked for), so that a name still being
 written is waited for by a load, a name whose process died before writing it is written at the next start,
-and a load of a missing name can fall back to the step it was for.
+and a load of a missing name can fall back to the step it was for (:func:`resolve`). None of this imports
+the framework: the adapter only says when a name is asked for, removed or loaded.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_resilience.sharded_names import remove_name, write_sharded_name
+from resilience import catalog
 from resilience.export import METADATA_KEY, read_committed, write_file_atomically
+from resilience.formats.lightning_ckpt import as_name, is_weights_only
+from resilience.formats.lightning_sharded import remove_name, write_sharded_name
+from resilience.layout import parse_step_dirname
 from resilience.save_handle import SaveHandle
-from resilience.storage import LocalTier
+from resilience.storage import LocalTier, Tier
 from resilience.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -39,9 +42,8 @@ REGISTRY = "names.json"
 FILE = "file"  # a name's layout: one Lightning checkpoint file
 SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
 
-# Builds the Lightning dict of a name from the restored step (shared state, rank 0's state) and the
-# top-level keys the save asked for (a weights-only save asks for fewer).
-Materialise = Callable[[Any, Any, list[str]], dict[str, Any]]
+RESUME_MARKER = "resume.ckpt"  # a name meaning "the newest committed checkpoint that verifies" (AutoResume's)
+_MARKER_FORMAT = "training-resilience/resume"
 
 
 @dataclass
@@ -61,12 +63,11 @@ class NameWriter:
 
     Args:
         local: The engine's local tier (the step directories are read from it).
-        materialise: Turns a restored step into the dict a name holds.
+        allow_pickle: Whether a name rewritten after a restart may unpickle what its step holds.
     """
 
-    def __init__(self, local: LocalTier, materialise: Materialise, *, allow_pickle: bool = False):
+    def __init__(self, local: LocalTier, *, allow_pickle: bool = False):
         self.local = local
-        self.materialise = materialise
         self.allow_pickle = allow_pickle
         self._path = os.path.join(local.root, REGISTRY)
         self._lock = threading.Lock()
@@ -202,7 +203,7 @@ class NameWriter:
                 )
             else:
                 restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=allow_pickle)
-                checkpoint = self.materialise(restored.state, restored.rank_state, name.keys)
+                checkpoint = as_name(restored.state, restored.rank_state, name.keys)
                 checkpoint.update(self.metadata(name.step, name.run_id))
                 write_file_atomically(checkpoint, name.path, storage_options=self._options.get(name.path))
         except BaseException:
@@ -239,3 +240,51 @@ class NameWriter:
 def _absolute(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
     return text if "://" in text else os.path.abspath(text)
+
+
+def resolve(path: str, names: NameWriter | None, tiers: list[Tier]) -> tuple[int | None, str | None]:
+    """(step to load from the engine, None: the newest that verifies) or (None, path of a plain checkpoint file).
+
+    ``names``: the record of this run's names, if any (a load of a name still being written waits for it).
+    No collectives: a sharded strategy resolves on rank 0 only and broadcasts the answer.
+    """
+    if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
+        return None, None
+    step = parse_step_dirname(path)
+    if step is not None and os.path.isdir(path):
+        return step, None
+    name = names.lookup(path) if names is not None else None
+    pending = names.pending(path) if names is not None else None
+    if pending is not None:
+        pending.result()  # a save of this path is in flight: load what it writes, once it is written
+    if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and _held(name.step, tiers):
+        return name.step, None  # the engine's copy: verified, and every rank's own state
+    if os.path.exists(os.path.realpath(path)) or "://" in path:
+        return None, path
+    if name is not None:
+        log.warning("%s was never written (its process ended first); loading step %d", path, name.step)
+        return name.step, None
+    raise FileNotFoundError(f"Checkpoint {path} does not exist: pass an existing file, or ckpt_path='last'")
+
+
+def _held(step: int, tiers: list[Tier]) -> bool:
+    """Whether the engine still has ``step`` (retention may have deleted it; its name is a checkpoint itself)."""
+    return any(entry.step == step for entry in catalog.candidates(tiers))
+
+
+def write_resume_marker(local_root: str | os.PathLike[str]) -> str:
+    """The name that :func:`resolve` reads as "the newest committed checkpoint that verifies"."""
+    path = os.path.join(local_root, RESUME_MARKER)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as stream:
+        stream.write(f'{{"format": "{_MARKER_FORMAT}"}}\n')
+    os.replace(tmp, path)
+    return path
+
+
+def _is_marker(path: str) -> bool:
+    try:
+        with open(path) as stream:
+            return _MARKER_FORMAT in stream.read(256)
+    except OSError:
+        return False

@@ -14,7 +14,7 @@ The session owns the rest:
 
 Call order on every rank::
 
-    session.restored(...)                  # after a resume (optional)
+    restored = session.restore(target)     # a resume (optional); then session.restored(restored, rng=...)
     session.start(step)                    # training begins (collective: claims the checkpoint root)
     loop: session.step_begin(); ...; boundary = session.step_end(step)  # collective
           if boundary.stop: leave the loop
@@ -29,8 +29,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn, TypeVar
 
 from resilience import rng
@@ -44,7 +44,7 @@ from resilience.goodput import (
     GoodputLedger,
     TimedIterator,
 )
-from resilience.goodput.ledger import COMPLETED, ledger_dir
+from resilience.goodput.ledger import COMPLETED, incarnation_start, ledger_dir
 from resilience.goodput.summary import GoodputSummary, summarize
 from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard, Kind, Severity
 from resilience.health.faults import GPU_FAULTS
@@ -210,6 +210,7 @@ class TrainingSession:
         self._stall_seen = manager.stats.stall_s
         self._blocking_depth = 0
         self._pending_rng: tuple[dict[str, Any], RngTiming] | None = None
+        self._restore_began: float | None = None
         self._prior: GoodputSummary | None = None
         self.last_plan: Any = None
         self._start_step: int | None = None
@@ -294,12 +295,12 @@ class TrainingSession:
                 max_s=config.max_interval_s,
             )
 
-    def use_goodput(self, config: GoodputConfig, *, process_start: float | None = None) -> GoodputLedger:
+    def use_goodput(self, config: GoodputConfig) -> GoodputLedger:
         """Keep the run's ledger (written by the main process) and the data-wait windows of this rank."""
         if self.ledger is None:
             self._goodput = config
             self.ledger = GoodputLedger(
-                config.run_dir, self.rank, span_s=config.span_s, process_start=process_start, write=self.is_main
+                config.run_dir, self.rank, span_s=config.span_s, process_start=incarnation_start(), write=self.is_main
             )
             self.data = DataWaitMonitor(
                 config.window_steps, config.starvation_threshold, rank=self.rank, on_window=self._window
@@ -315,14 +316,46 @@ class TrainingSession:
 
     # ---- resume ----------------------------------------------------------------------------------------------
 
+    def restore(
+        self,
+        target: Any = None,
+        *,
+        step: int | None = None,
+        leave_out: Collection[str] = (),
+        per_rank: str = "each rank's own state",
+    ) -> Restored | None:
+        """Load ``step`` (None: the newest that verifies) on every rank (:meth:`CheckpointManager.load`).
+
+        The per-rank part of a checkpoint saved by another number of processes fits none of this run's ranks:
+        it comes back as None, and the main process says that ``per_rank`` starts afresh. The time from here to
+        :meth:`restored` (the adapter putting the state in place) is the restore's time in the ledger.
+        """
+        self._restore_began = time.perf_counter()
+        restored = self.manager.load(target, step=step, leave_out=leave_out)
+        if restored is None or restored.manifest.world_size == self.manager.world_size:
+            return restored
+        if self.is_main:
+            log.warning(
+                "step %d (%s) was saved by %d processes and this run has %d: the shared state is restored "
+                "(resharded), but %s starts afresh",
+                restored.step,
+                restored.path,
+                restored.manifest.world_size,
+                self.manager.world_size,
+                per_rank,
+            )
+        return replace(restored, rank_state=None)
+
     def restored(
-        self, restored: Restored | None, seconds: float, *, rng: dict[str, Any] | None = None, rng_at: RngTiming = "now"
+        self, restored: Restored | None, *, rng: dict[str, Any] | None = None, rng_at: RngTiming = "now"
     ) -> None:
-        """A resume happened (or found nothing: ``restored`` None).
+        """A resume happened (or found nothing: ``restored`` None), and its state is in place.
 
         ``rng``: the saved RNG streams, applied ``"now"``, when training starts, or when the next batch is in
         hand (a mid-epoch save was taken with the loader's iterator already made, which draws from the RNG).
         """
+        began, self._restore_began = self._restore_began, None
+        seconds = time.perf_counter() - began if began is not None else 0.0
         if self.ledger is not None:
             self.ledger.restored(restored.step if restored is not None else None, seconds)
         self._pending_rng = None

@@ -129,6 +129,17 @@ def tensor_keys(skeleton: Any, tags: tuple[str, ...] = ("tensor", "ndarray")) ->
     return keys
 
 
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a tree of dicts, lists and tuples (what a save of it writes, about)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
 def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickle: bool, where: str) -> Any:
     """Rebuild the tree; ``where`` names the checkpoint in errors."""
 

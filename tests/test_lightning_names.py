@@ -18,8 +18,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, GoodputMonitor, ResilientCheckpointIO
-from lightning_resilience.names import METADATA_KEY
 from resilience.errors import ConfigError
+from resilience.names import METADATA_KEY
 from tests.helpers import ROOT, base_env
 
 

@@ -27,6 +27,21 @@ def weights_only_keys(keys: list[str]) -> list[str]:
     return [key for key in keys if key not in TRAINING_ONLY and not key.endswith(PRECISION_SUFFIX)]
 
 
+def split_loaders(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(``checkpoint`` without the loader states, the loader states): what :func:`merge_checkpoint` undoes.
+
+    The caller's dict is not modified: only the dicts along the loader states' path are copied.
+    """
+    shared = dict(checkpoint)
+    node: dict[str, Any] = shared
+    for key in LOADER_PATH[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            return shared, None
+        node[key] = node = dict(child)
+    return shared, node.pop(LOADER_PATH[-1], None)
+
+
 def merge_checkpoint(shared: dict[str, Any], rank_state: dict[str, Any] | None) -> dict[str, Any]:
     """Put this rank's loader states back where Lightning looks for them."""
     if not rank_state or rank_state.get("combined_loader") is None:

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from lightning_resilience.lightning_state import as_name
 from resilience.dcp_view import placeholders, write_view
 from resilience.export import committed_entry
+from resilience.formats.lightning_ckpt import as_name
 from resilience.layout import STATE_FILE
 from resilience.loader import load_skeleton, plan_load, run_load
 from resilience.storage import LocalTier, fsync_dir

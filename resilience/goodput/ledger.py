@@ -49,6 +49,17 @@ def process_start_time() -> float | None:
         return None
 
 
+_process_accounted = False  # whether a ledger of this process already counted the process's start-up
+
+
+def incarnation_start() -> float | None:
+    """Where a new incarnation's account begins: at the process's start for the first ledger of a process (the
+    interpreter and imports count as startup), now for a later one (a second ``fit()`` in the same process)."""
+    global _process_accounted
+    first, _process_accounted = not _process_accounted, True
+    return process_start_time() if first else time.time()
+
+
 class GoodputLedger:
     """Accounts the wall time of one incarnation (one process lifetime) of a training run.
 

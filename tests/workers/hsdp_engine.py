@@ -64,11 +64,11 @@ def session_run(mode: str, root: Path, model: torch.nn.Module, opt: torch.optim.
     session.use_peer_loss(PeerLossConfig(stale_s=3.0, heartbeat_s=0.5, grace_s=60))
     step = 0
     if mode == "resume":
-        restored = manager.load(lambda: sharded_state("fsdp2", model, opt))
+        restored = session.restore(lambda: sharded_state("fsdp2", model, opt))
         assert restored is not None
         restore("fsdp2", model, opt, restored.state)
         step = restored.step
-        session.restored(restored, 0.0, rng=restored.rank_state["rng"])
+        session.restored(restored, rng=restored.rank_state["rng"])
         print("RESUMED", step, restored.manifest.extra.get("survivor_save"), flush=True)
     session.start(step)
     try:

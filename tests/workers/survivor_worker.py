@@ -67,11 +67,11 @@ def main() -> None:
         session.use_health(HealthConfig(nvml=scenario != "stop", hang_min_s=4.0, hang_min_samples=3, grace_s=60))
     step = 0
     if scenario == "resume":
-        restored = manager.load({"model": {"w": weight}})
+        restored = session.restore({"model": {"w": weight}})
         assert restored is not None
         optimizer.load_state_dict(restored.state["optim"])
         step = restored.step
-        session.restored(restored, 0.0, rng=restored.rank_state["rng"])
+        session.restored(restored, rng=restored.rank_state["rng"])
         marks["mark"] = restored.rank_state["marks"]["mark"].clone()
         print("RESUMED", json.dumps({"step": step, "mark": int(marks["mark"])}), flush=True)
     session.start(step)
