@@ -208,6 +208,7 @@ def test_sigterm_commits_an_emergency_checkpoint_before_exit(tmp_path: Path, ref
     assert_same_params(reference, tmp_path / "final.pt")
 
 
+@pytest.mark.slow  # torchrun's restart on the fault's exit code: also Accelerate's elastic restart test (same agent)
 def test_torchrun_restart_cycle_after_an_injected_fault(tmp_path: Path, ddp_reference: Path) -> None:
     """One launch: the fault stops both ranks (exit 69), torchrun restarts them, they resume and finish."""
     env = base_env({"RESILIENCE_INJECT": "xid=79@step=6,rank=0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})

@@ -99,7 +99,8 @@ def test_fsdp2_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: 
         pytest.param(("fsdp", 2, 1), ("fsdp", 1, 1), marks=pytest.mark.slow),
         pytest.param(("fsdp", 1, 1), ("fsdp", 2, 1), marks=pytest.mark.slow),
         (("fsdp", 2, 1), ("tp", 1, 2)),
-        (("hsdp", 2, 1), ("fsdp", 2, 1)),
+        # HSDP's save and same-layout resume: test_hsdp_survivor_...; resharding by default: dp2-to-tp2
+        pytest.param(("hsdp", 2, 1), ("fsdp", 2, 1), marks=pytest.mark.slow),
     ],
     ids=["dp2-to-dp1", "dp1-to-dp2", "dp2-to-tp2", "hsdp-to-dp2"],
 )
@@ -140,13 +141,9 @@ def test_hsdp_survivor_saves_a_lost_ranks_chunks_from_its_replica(tmp_path: Path
 def test_names_are_lightning_sharded_checkpoints(tmp_path: Path, reference: Path) -> None:
     """Each name is a directory in Lightning's sharded layout, made of hard links to the committed step's shards.
 
-    Lightning's own ``ModelParallelStrategy`` resumes from it, ``consolidate_checkpoint`` turns it into one file,
-    and a name whose step retention has deleted still loads (here through the pack's strategy).
+    Lightning's own ``ModelParallelStrategy`` resumes from it and ``consolidate_checkpoint`` turns it into one file.
     """
-    run = train(tmp_path, "--max-steps", "12", "--keep-last", "2")
-    finished(run, 12)
-    assert committed(tmp_path) == [8, 12], "retention keeps the 2 newest steps"
-    names = tmp_path / "names"
+    names = trained_with_retention(tmp_path)
     assert sorted(p.name for p in names.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=12.ckpt", NAME_8]
     step_dir = tmp_path / "ckpt" / "step-8"
     for shard in step_dir.glob("__*_*.distcp"):
@@ -175,11 +172,24 @@ def test_names_are_lightning_sharded_checkpoints(tmp_path: Path, reference: Path
     assert_same(full["optimizer_0"]["state"], snapshot["optimizer"]["state"])
     assert full["optimizer_0"]["param_groups"][0]["lr"] == snapshot["optimizer"]["param_groups"][0]["lr"]
 
+
+@pytest.mark.slow  # the same fallback for Lightning files runs by default (test_lightning_names.py)
+def test_a_sharded_name_whose_step_retention_deleted_still_loads(tmp_path: Path, reference: Path) -> None:
+    """Through the pack's strategy, as the Lightning directory it is."""
+    names = trained_with_retention(tmp_path)
     old = tmp_path / "old"
-    name_4 = names / "epoch=0-step=4.ckpt"
-    done = train(tmp_path, "--max-steps", "6", "--ckpt-path", str(name_4), "--restored", str(old / "r.pt"))
+    done = train(
+        tmp_path, "--max-steps", "6", "--ckpt-path", str(names / "epoch=0-step=4.ckpt"), "--restored", str(old / "r.pt")
+    )
     finished(done, 6)
     assert_same(load(old / "r.pt"), load(reference / "snapshot-4.pt"))
+
+
+def trained_with_retention(root: Path) -> Path:
+    """12 steps, names every 4, the engine keeping 2: the name of step 4 outlives its step. Returns the names."""
+    finished(train(root, "--max-steps", "12", "--keep-last", "2"), 12)
+    assert committed(root) == [8, 12], "retention keeps the 2 newest steps"
+    return root / "names"
 
 
 def test_selected_by_name_by_class_and_by_class_path_in_lightning_cli(
