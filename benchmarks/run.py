@@ -81,6 +81,8 @@ BENCHES = (
         ),
     ),
     Bench("goodput", "benchmarks.bench_goodput_overhead", quick=("--pairs", "5"), takes_dir=False),
+    Bench("lost-work", "benchmarks.bench_lost_work", quick=("--failures", "1", "--every", "5")),
+    Bench("sharded", "benchmarks.bench_sharded", quick=("--size-gb", Q, "--saves", "2")),
 )
 GPU = Bench("gpu", "benchmarks.bench_gpu", quick=("--quick",), takes_dir=False, timeout_s=480)
 
