@@ -36,12 +36,9 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from multiprocessing import resource_tracker
 from multiprocessing.connection import Client, Connection, Listener
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import torch
@@ -52,6 +49,7 @@ from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
 from resilience.save_handle import Commit, SaveHandle
+from resilience.shm import map_segment
 from resilience.staging import SEGMENTS, StagingJob
 from resilience.worker import Worker
 
@@ -203,7 +201,7 @@ class HelperPipeline:
             self._handles[job.step] = job.handle
             died = self.died
         if died is not None:
-            self._fail(job.handle, died)
+            self._fail(job.handle, CheckpointError(f"Not saved: {died}", step=job.step, tier="local"))
             return
         self._sender.put(job)
 
@@ -349,23 +347,20 @@ class HelperPipeline:
             self.died = why
             handles = list(self._handles.values())
         for handle in handles:
-            self._fail(handle, why)
+            # committed before the helper died: saved, whether or not its next message (the durable phase) came
+            committed = handle.committed.done() and handle.committed.exception() is None
+            if committed and self.settings.config.durable_url is None:
+                if not handle.durable.done():
+                    handle.durable.set_result(None)  # what the helper sends next after such a commit
+                continue
+            what, tier = ("Not uploaded", "durable") if committed else ("Not saved", "local")
+            self._fail(handle, CheckpointError(f"{what}: {why}", step=handle.step, tier=tier))
 
-    def _fail(self, handle: SaveHandle, why: str) -> None:
-        """End what ``handle`` still waits for: a save committed before the helper died is saved (its upload,
-        if there is a durable tier, is not), whether or not the helper's last messages arrived."""
-        committed = handle.committed.done() and handle.committed.exception() is None
-        if handle.durable.done() or (committed and self.settings.config.durable_url is None):
-            if not handle.durable.done():
-                handle.durable.set_result(None)  # what the helper sends next after such a commit
-            return
-        if committed:
-            error = CheckpointError(f"Not uploaded: {why}", step=handle.step, tier="durable")
-        else:
-            error = CheckpointError(f"Not saved: {why}", step=handle.step, tier="local")
-        with self._lock:
-            self.errors.append(error)
-        handle.fail(error)
+    def _fail(self, handle: SaveHandle, error: CheckpointError) -> None:
+        if not (handle.committed.done() and handle.durable.done()):
+            with self._lock:
+                self.errors.append(error)
+            handle.fail(error)
 
 
 def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:
@@ -475,7 +470,7 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
         on_error=lambda error: send(("error", _pickled(error))),
     )
     buffers: dict[str, torch.Tensor] = {}
-    mapped: dict[str, SharedMemory] = {}
+    mapped: dict[str, torch.Tensor] = {}
     while True:
         try:
             message = conn.recv()
@@ -518,20 +513,15 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
 
 
 def _attach(
-    name: str | None, dtype: torch.dtype, shape: tuple[int, ...], mapped: dict[str, SharedMemory]
+    name: str | None, dtype: torch.dtype, shape: tuple[int, ...], mapped: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """The training process's staging buffer, mapped here (read in place: nothing is copied)."""
     if name is None:
         return torch.empty(shape, dtype=dtype)
-    segment = mapped.get(name)
-    if segment is None:
-        segment = mapped[name] = SharedMemory(name=name)
-        # the training process owns it: without this, this process's exit would unlink it (Python < 3.13)
-        with contextlib.suppress(Exception):
-            resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable": it is, and shared on purpose
-        return torch.frombuffer(segment.buf, dtype=dtype, count=math.prod(shape)).view(shape)
+    flat = mapped.get(name)
+    if flat is None:
+        flat = mapped[name] = map_segment(name)
+    return flat[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _forward(kind: str, step: int, handle: SaveHandle, send: Any) -> Any:

@@ -7,14 +7,11 @@ several times the copy itself; pinning them (for CUDA sources) lets the copy run
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import threading
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.shared_memory import SharedMemory
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,7 +19,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from resilience.config import CheckpointConfig
 from resilience.packing import PackShare, Slot
-from resilience.shm import create_segment
+from resilience.shm import create_segment, release_segment
 
 
 def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
@@ -192,7 +189,6 @@ class HostStager:
 # Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
 # by name. They live as long as their buffers (the stager unlinks them when it drops a buffer).
 SEGMENTS: dict[int, str] = {}
-_SEGMENT_OBJECTS: dict[int, SharedMemory] = {}
 
 
 def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
@@ -201,19 +197,14 @@ def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> to
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     try:
-        segment = create_segment(nbytes)
-    except OSError as exc:
+        name, flat = create_segment(nbytes)
+    except (OSError, RuntimeError) as exc:
         raise RuntimeError(
             f"cannot place {nbytes} bytes of checkpoint staging in shared memory ({exc}): enlarge /dev/shm "
             "(e.g. docker --shm-size) or set persist='thread'"
         ) from exc
-    # frombuffer warns that the buffer is writable (by design here) and views it without a copy
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes)
     buffer = flat.view(dtype).view(tuple(shape))
-    SEGMENTS[buffer.data_ptr()] = segment.name
-    _SEGMENT_OBJECTS[buffer.data_ptr()] = segment
+    SEGMENTS[buffer.data_ptr()] = name
     if pin and buffer.numel():
         cudart = torch.cuda.cudart()
         if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)) != 0:
@@ -223,11 +214,9 @@ def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> to
 
 def _release(buffer: torch.Tensor) -> None:
     """Unlink a buffer's shared-memory segment, if it has one (mappings elsewhere stay valid until unmapped)."""
-    segment = _SEGMENT_OBJECTS.pop(buffer.data_ptr(), None)
-    SEGMENTS.pop(buffer.data_ptr(), None)
-    if segment is not None:
-        with contextlib.suppress(FileNotFoundError):
-            segment.unlink()
+    name = SEGMENTS.pop(buffer.data_ptr(), None)
+    if name is not None:
+        release_segment(name)
 
 
 def _check_device(key: str, tensor: torch.Tensor) -> None:

@@ -434,6 +434,28 @@ def test_a_save_committed_just_before_the_helper_died_stays_saved(tmp_path: Path
     assert restored is not None and restored.step == 1
 
 
+def test_thousands_of_staged_tensors_need_no_file_descriptor_each(tmp_path: Path) -> None:
+    """Unpacked tensors (a sharded strategy's saves pack none) each get a staging segment; with a descriptor held
+    per segment, 600 of them broke the first save under a limit of 256 open files ("Too many open files")."""
+    script = f"""
+import resource, torch
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from resilience import CheckpointConfig, CheckpointManager
+state = {{f"t{{i}}": torch.full((100,), float(i)) for i in range(600)}}
+with CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process", pack_tensor_bytes=0)) as m:
+    m.save(1, state)
+    m.wait()
+    m.save(2, state)
+    m.wait()
+with CheckpointManager(CheckpointConfig({str(tmp_path)!r})) as m:
+    restored = m.load()
+assert restored.step == 2 and all(torch.equal(restored.state[k], v) for k, v in state.items())
+print("OK", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, (done.stdout + done.stderr)[-4000:]
+
+
 def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path: Path) -> None:
     """kill -9 of a whole process group (training process, resource tracker, helpers) leaves its /dev/shm
     segments behind; the next process that stages removes them, and never a segment a live process holds."""
