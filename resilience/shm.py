@@ -16,6 +16,7 @@ A segment's own descriptor is closed once it is mapped (:func:`map_segment`); th
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import functools
@@ -84,7 +85,14 @@ def _token() -> str:
     if fd >= 0:  # Linux and macOS: the descriptor stays open (and locked) as long as the process lives
         fcntl.flock(fd, fcntl.LOCK_SH)
     _LOCKS.append(lock)
+    atexit.register(_drop_lock, lock)  # else the resource tracker unlinks it, warning of a leak, at every exit
     return token
+
+
+def _drop_lock(lock: SharedMemory) -> None:
+    with contextlib.suppress(Exception):
+        lock.close()
+        lock.unlink()
 
 
 @functools.cache

@@ -456,6 +456,21 @@ print("OK", flush=True)
     assert done.returncode == 0 and "OK" in done.stdout, (done.stdout + done.stderr)[-4000:]
 
 
+def test_a_process_that_staged_exits_without_a_leak_warning(tmp_path: Path) -> None:
+    """Its segments and its lock go with a clean exit; Python's resource tracker found the lock and warned."""
+    script = f"""
+import torch
+from resilience import CheckpointConfig, CheckpointManager
+with CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process")) as m:
+    m.save(1, {{"w": torch.ones(3_000_000)}})
+    m.wait()
+print("SAVED", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "SAVED" in done.stdout, done.stderr[-3000:]
+    assert "leaked shared_memory" not in done.stderr, done.stderr[-3000:]
+
+
 def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path: Path) -> None:
     """kill -9 of a whole process group (training process, resource tracker, helpers) leaves its /dev/shm
     segments behind; the next process that stages removes them, and never a segment a live process holds."""
