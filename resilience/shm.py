@@ -26,7 +26,6 @@ import os
 import secrets
 import time
 from multiprocessing import resource_tracker
-from multiprocessing.shared_memory import SharedMemory
 from typing import cast
 
 import torch
@@ -39,7 +38,6 @@ SHM_DIR = "/dev/shm"
 # A lock is created, then taken: one younger than this may be in between, and is left alone.
 MIN_AGE_S = 60.0
 _counter = itertools.count()
-_LOCKS: list[SharedMemory] = []  # keeps this process's lock segment (and its descriptor) for its lifetime
 
 
 def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
@@ -78,21 +76,22 @@ def release_segment(name: str) -> None:
 
 @functools.cache
 def _token() -> str:
-    """This process's segment names' token; its lock segment is made and held from the first call on."""
+    """This process's segment names' token; its lock is made and held from the first call on (a shared ``flock``
+    on a descriptor that stays open as long as the process lives)."""
     token = f"{os.getpid()}_{secrets.token_hex(6)}"
-    lock = SharedMemory(name=f"{PREFIX}{token}{LOCK_SUFFIX}", create=True, size=1)
-    fd = getattr(lock, "_fd", -1)
-    if fd >= 0:  # Linux and macOS: the descriptor stays open (and locked) as long as the process lives
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    _LOCKS.append(lock)
-    atexit.register(_drop_lock, lock)  # else the resource tracker unlinks it, warning of a leak, at every exit
+    path = os.path.join(SHM_DIR, f"{PREFIX}{token}{LOCK_SUFFIX}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    atexit.register(_drop_lock, path, os.getpid())
     return token
 
 
-def _drop_lock(lock: SharedMemory) -> None:
-    with contextlib.suppress(Exception):
-        lock.close()
-        lock.unlink()
+def _drop_lock(path: str, creator: int) -> None:
+    """At a clean exit of the process that made the lock; not in a forked child, whose exit would leave the
+    parent's segments unguarded."""
+    if os.getpid() == creator:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @functools.cache
