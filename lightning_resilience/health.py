@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience.health import EmergencySave, HealthConfig
@@ -66,11 +67,18 @@ class HealthGuardCallback(SessionCallback):
         arguments = dict(locals())
         settings = {name: value for name, value in arguments.items() if name != "self" and value is not None}
         self.config = HealthConfig(**{**settings, "signals": tuple(signals)})  # None: HealthConfig's default
+        self.last_emergency: EmergencySave | None = None
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         session.use_health(self.config)  # collective: the agreement's gloo group
 
-    @property
-    def last_emergency(self) -> EmergencySave | None:
-        """The emergency save of this fit, once one was made."""
-        return self._session.last_emergency if self._session is not None else None
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        session = self._session
+        try:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        finally:  # kept after the fit, whose end drops the session
+            if session is not None:
+                self.last_emergency = session.last_emergency
