@@ -145,6 +145,7 @@ class ResiliencePlugin:
                 self,
                 local_root=root,
                 durable_url=self.durable_url or None,
+                storage_options=dict(self.storage_options or {}),
                 keep_last=self.keep_last or keep_last or DEFAULT_KEEP_LAST,
             )
         except ConfigError as exc:
