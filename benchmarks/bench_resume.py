@@ -31,7 +31,6 @@ from benchmarks.common import (
     Report,
     Stats,
     emit,
-    nbytes,
     parser,
     ratio,
     results_in,
@@ -53,6 +52,7 @@ def prepare(root: Path, size_gb: float) -> None:
 
     from benchmarks.bench_lightning import Net, loader, trainer
     from lightning_resilience import ResilientCheckpointIO
+    from resilience.tree import tensor_bytes
 
     model = Net(width_for(size_gb))
     io = ResilientCheckpointIO(str(root / "ours"))
@@ -62,7 +62,7 @@ def prepare(root: Path, size_gb: float) -> None:
     io.teardown()  # waits for the commit
     run.strategy.checkpoint_io = TorchCheckpointIO()
     run.save_checkpoint(str(root / "plain.ckpt"))
-    emit({"state": nbytes(run.lightning_module.state_dict()) + nbytes(run.optimizers[0].state_dict())})
+    emit({"state": tensor_bytes(run.lightning_module.state_dict()) + tensor_bytes(run.optimizers[0].state_dict())})
 
 
 def resume(variant: str, root: Path, size_gb: float) -> None:

@@ -54,13 +54,15 @@ def build(layers: int, width: int, device: str = "cpu") -> tuple[torch.nn.Module
     """A model and Adam with its moments materialized; returns them and the state's size in bytes."""
     import torch
 
+    from resilience.tree import tensor_bytes
+
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model, optimizer, nbytes(model_state(model, optimizer))
+    return model, optimizer, tensor_bytes(model_state(model, optimizer))
 
 
 def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -79,10 +81,6 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for value in tree for t in tensors_in(value)]
     return []
-
-
-def nbytes(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_in(tree))
 
 
 def tensor_state(total_bytes: int, count: int) -> dict[str, torch.Tensor]:
