@@ -134,6 +134,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._protected_steps = protected_steps or set
         self._helper_generation = 0
+        self._resting = False  # the helper was ended by rest(); the next save starts a new one
         self._helper_store: Any = None
         self.pipeline: Pipeline | HelperPipeline = self._start_pipeline()
         self._closed = False
@@ -177,8 +178,21 @@ class CheckpointManager:
     def stop_background(self) -> None:
         """Stop the background half of saves for good (a survivor save is about to write without it): the helper
         process is killed, which may be stuck in a collective with a rank that is gone."""
-        if isinstance(self.pipeline, HelperPipeline):
+        if isinstance(self.pipeline, HelperPipeline) and not self._resting:
             self.pipeline.kill()
+
+    def rest(self) -> None:
+        """Drain, then end the helper process (and the thread reading from it) until the next save starts one.
+
+        For an engine that outlives the fit it served (Lightning's CheckpointIO keeps it for saves after
+        ``fit()``): a framework's teardown is expected to leave no threads behind (Lightning's own tests fail one
+        that does), and a process idling after training has no use for a helper. Call on every rank together,
+        as saves are called: the next save then starts every rank's helper together.
+        """
+        self.drain()
+        if isinstance(self.pipeline, HelperPipeline) and not self._resting:
+            self.pipeline.close()
+            self._resting = True
 
     def _check_helpers(self) -> None:
         """A helper died on some rank: every rank restarts its own (a new group), or all raise (collective)."""
@@ -393,6 +407,10 @@ class CheckpointManager:
                 f"Step {step} is already saved or being saved under {self._where()}; committed checkpoints are "
                 "never overwritten. Save under a new step, or point local_root/durable_url at a new run directory"
             )
+        if self._resting:
+            self._resting = False
+            self._helper_generation += 1  # a new group of helpers
+            self.pipeline = self._start_pipeline()
         self._check_helpers()
         busy = self._inflight is not None and not self._inflight.committed.done()
         errors = self.pipeline.take_errors()
@@ -593,7 +611,8 @@ class CheckpointManager:
             if not done:
                 return False
         self._raise_pending()
-        self.pipeline.retain()  # what a commit's retention had to keep for later (names, uploads) may go now
+        if not self._resting:
+            self.pipeline.retain()  # what a commit's retention had to keep for later (names, uploads) may go now
         return True
 
     def check(self) -> None:
@@ -782,7 +801,7 @@ class CheckpointManager:
         _OPEN.discard(self)
         self.wait_for_staging()
         self._disarm_staging_barrier()
-        finished = self.pipeline.close(timeout)
+        finished = self._resting or self.pipeline.close(timeout)
         self._stager.close()
         if self.owner is not None:
             if self.is_local_leader:

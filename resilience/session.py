@@ -689,8 +689,8 @@ class TrainingSession:
         """Wait for the last saves and uploads, close the ledger (completed, stopped or failed) and the monitors.
 
         Idempotent. Raises the first background failure of the saves, after the ledger is closed. With
-        ``close_manager=False`` the manager stays open (drained) for saves after training, e.g. a final
-        ``trainer.save_checkpoint``.
+        ``close_manager=False`` the manager stays open (drained, at rest: no helper process or thread until its
+        next save) for saves after training, e.g. a final ``trainer.save_checkpoint``.
         """
         if self.ended:
             return
@@ -706,7 +706,7 @@ class TrainingSession:
             elif close_manager:
                 self.manager.close()
             else:
-                self.manager.drain()
+                self.manager.rest()
         except BaseException as exc:
             error = exc
         closing_s = time.perf_counter() - start

@@ -398,6 +398,36 @@ def test_a_helper_killed_mid_save_commits_nothing_and_the_next_save_restarts_it(
     assert restored is not None and restored.step == 2
 
 
+def test_a_resting_engine_holds_no_helper_or_thread_and_the_next_save_starts_one(tmp_path: Path) -> None:
+    """What a Lightning teardown leaves: the engine drained, its helper process ended and no thread of the pack
+    running; a save after it (``trainer.save_checkpoint`` after ``fit()``) gets a new helper and commits."""
+    before = set(threading.enumerate())
+    with manager(tmp_path / "ckpt", persist="process") as m:
+        assert m.save(1, make_state(1)) is not None
+        m.rest()
+        first_pid = m.pipeline.pid  # type: ignore[union-attr]
+        assert first_pid is not None
+        assert [t.name for t in set(threading.enumerate()) - before] == []
+        wait_for(lambda: not _alive(first_pid))  # the helper process ended too
+        handle = m.save(2, make_state(2))
+        assert handle is not None and handle.committed.result(60).step == 2
+        assert m.pipeline.pid != first_pid  # type: ignore[union-attr]
+        assert _alive(m.pipeline.pid)  # type: ignore[union-attr]  # the new helper lives until close
+    with manager(tmp_path / "ckpt") as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 2
+    assert torch.equal(restored.state["model"]["w"], make_state(2)["model"]["w"])  # type: ignore[index]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, not yet reaped by the fork server, has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return stream.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # reaped before, or while, its record was read
+        return False
+
+
 def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None:
     import signal
 
