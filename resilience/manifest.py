@@ -7,7 +7,10 @@ input: its paths must stay inside the checkpoint directory, its numbers must be 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, TypeGuard
@@ -29,6 +32,7 @@ _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _RUN_ID = re.compile(r"^[0-9a-zA-Z_.-]{1,64}$")
 _CHUNK = 8 << 20
+_WINDOW = 64 << 20  # a multiple of mmap.ALLOCATIONGRANULARITY
 
 
 @dataclass(frozen=True)
@@ -145,17 +149,43 @@ def check_relative_path(path: object) -> str:
 
 def hash_stream(stream: IO[bytes], copy_to: IO[bytes] | None = None) -> tuple[str, int]:
     """xxh3-64 and length of everything readable from ``stream`` (the hash releases the GIL); with ``copy_to``,
-    the bytes are also written there as they are read."""
+    the bytes are also written there as they are read.
+
+    A regular file opened at its start is hashed through a memory map, window by window: the hash reads the page
+    cache in place, where reading copies every byte into a buffer first (several times slower: it is most of
+    what verifying a local checkpoint costs). Anything else is read into one reused buffer.
+    """
     digest = xxhash.xxh3_64()
+    fd = _mappable(stream)
+    if fd is not None:
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, _WINDOW):
+            with mmap.mmap(fd, min(_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as window:
+                digest.update(window)
+                if copy_to is not None:
+                    copy_to.write(window)
+        stream.seek(size)
+        return digest.hexdigest(), size
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
     size = 0
-    while True:
-        chunk = stream.read(_CHUNK)
-        if not chunk:
-            return digest.hexdigest(), size
-        digest.update(chunk)
+    while count := stream.readinto(buffer):  # type: ignore[attr-defined]
+        digest.update(view[:count])
         if copy_to is not None:
-            copy_to.write(chunk)
-        size += len(chunk)
+            copy_to.write(view[:count])
+        size += count
+    return digest.hexdigest(), size
+
+
+def _mappable(stream: IO[bytes]) -> int | None:
+    """The descriptor of ``stream`` if it is a regular, non-empty file positioned at its start, else None."""
+    try:
+        fd = stream.fileno()
+        if stream.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+            return None
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
+    return fd
 
 
 def hash_bytes(data: bytes) -> str:

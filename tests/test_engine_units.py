@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import random
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError
-from resilience.manifest import FileEntry, Manifest, check_relative_path
+from resilience.manifest import FileEntry, Manifest, check_relative_path, hash_bytes, hash_stream
 from resilience.retention import steps_to_delete
 from resilience.storage import DurableTier, LocalTier, redact
 from resilience.tree import flatten, tensor_keys, unflatten
@@ -126,6 +127,26 @@ def test_manifest_rejects_non_json_and_non_objects() -> None:
         Manifest.from_json(b"\x80garbage", where="m")
     with pytest.raises(CorruptCheckpointError, match="not an object"):
         Manifest.from_json(b"[1, 2]", where="m")
+
+
+@pytest.mark.parametrize("size", [0, 1, 3 << 20, (64 << 20) + 5])
+def test_hash_stream_agrees_for_mapped_files_buffered_streams_and_copies(tmp_path, size) -> None:  # type: ignore[no-untyped-def]
+    """Regular files are hashed through a memory map, window by window; other streams by reading. Both, and the
+    copy made on the way, must give the bytes' own checksum, across a window edge too."""
+    data = random.Random(size).randbytes(size)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    expected = (hash_bytes(data), size)
+    with open(path, "rb") as stream:
+        assert hash_stream(stream) == expected
+        assert stream.tell() == size  # read to the end, as a reading hash leaves it
+    with open(path, "rb") as stream, open(tmp_path / "copy", "w+b") as copy:
+        assert hash_stream(stream, copy) == expected
+    assert (tmp_path / "copy").read_bytes() == data
+    assert hash_stream(io.BytesIO(data)) == expected
+    with open(path, "rb") as stream:  # not at its start: only the rest is hashed
+        stream.read(min(size, 1))
+        assert hash_stream(stream) == (hash_bytes(data[1:]), max(size - 1, 0))
 
 
 def test_relative_path_check() -> None:
