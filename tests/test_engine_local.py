@@ -24,6 +24,7 @@ from resilience import (
 from resilience.cli import main as cli
 from resilience.pipeline import Pipeline
 from resilience.staging import SEGMENTS
+from resilience.storage import LocalTier
 from tests.helpers import base_env
 
 
@@ -68,6 +69,29 @@ def test_load_into_target_fills_it_in_place(tmp_path: Path) -> None:
     bad_target = {"model": {"w": torch.zeros(256, 64), "extra": torch.zeros(1)}}
     with manager(tmp_path) as m, pytest.raises(CheckpointError, match="no tensor for 1 key"):
         m.load(bad_target)
+
+
+def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_place(tmp_path: Path) -> None:
+    """DCP reads a tensor into new memory and copies it into its target: for a target the loader made itself that
+    copy (and the memory it fills) is skipped, and the tensor read is the result; a caller's target, or one read in
+    pieces, is filled in place as before."""
+    from resilience import catalog
+    from resilience.loader import load_dcp_metadata, read_tensors
+
+    state = {"big": torch.randn(300, 300), "tiny": torch.arange(5.0), "half": torch.randn(4, 8)}
+    with manager(tmp_path, pack_tensor_bytes=64) as m:  # "tiny" is packed with the others' bytes aside
+        m.save(1, state)
+    (entry,) = [e for e in catalog.scan(LocalTier(tmp_path)) if e.committed]
+    metadata = load_dcp_metadata(entry)
+    placeholder, given = torch.empty(300, 300), torch.zeros(4, 8)
+    tensors = {"big": placeholder, "half": given}
+    read_tensors(entry, metadata, tensors, adopt={"big"})
+    assert tensors["big"] is not placeholder and torch.equal(tensors["big"], state["big"])
+    assert tensors["half"] is given and torch.equal(given, state["half"])
+    with manager(tmp_path) as m:  # the whole load, packs included, gives the saved values
+        restored = m.load()
+    assert restored is not None
+    assert all(torch.equal(restored.state[key], value) for key, value in state.items())  # type: ignore[index]
 
 
 def test_a_load_target_made_on_demand_and_top_level_keys_left_out(tmp_path: Path) -> None:
