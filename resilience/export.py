@@ -1,10 +1,10 @@
 """A committed checkpoint as ordinary files: the bridge to tools that know ``torch.load`` or safetensors.
 
 The step directories stay the source of truth. :func:`read_committed` reads a whole step back in this process
-(no process group: every shard, whoever wrote it), as a Lightning name is made from it. :func:`export` writes a
-step in another format (a Lightning ``.ckpt``, a ``torch.save`` state dict, Hugging Face safetensors), checksums
-first, streaming a few tensors at a time (``step_reader``), so a state larger than memory can be exported. Every
-file is written atomically: a reader sees the old file or the whole new one.
+(no process group: every shard, whoever wrote it). :func:`export` writes a step in another format (a Lightning
+``.ckpt``, a ``torch.save`` state dict, Hugging Face safetensors), checksums first, streaming a few tensors at a
+time (``step_reader``), so a state larger than memory can be exported; :func:`write_name` makes a Lightning name
+the same way. Every file is written atomically: a reader sees the old file or the whole new one.
 """
 
 from __future__ import annotations
@@ -115,6 +115,31 @@ def export(
     return done
 
 
+def write_name(
+    tier: Tier,
+    step: int,
+    out: str,
+    keys: list[str],
+    extra: dict[str, Any],
+    *,
+    verify: bool,
+    allow_pickle: bool,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Write the Lightning ``.ckpt`` of committed step ``step`` holding the top-level ``keys`` (and ``extra``).
+
+    Streamed as :func:`export` streams: the training process that writes a name holds a few tensors of the step
+    at a time, never a second copy of the whole state. ``verify``: checksum every file first (skip it only for
+    a step this process has just written and hashed).
+    """
+    entry = committed_entry(tier, step, verify=verify)
+    reader = StepReader(entry, allow_pickle=allow_pickle)
+    checkpoint = _Contents(reader, entry, reader.tree(STATE_FILE), 0, None, False, None).lightning_dict(keys)
+    checkpoint.update(extra)
+    with atomic_output(out, storage_options=storage_options) as stream:
+        write_torch_file(checkpoint, stream, reader)
+
+
 def dcp_keys(state_dict: Mapping[str, torch.Tensor], under: str) -> dict[str, torch.Tensor]:
     """``state_dict`` keyed as the engine's DCP files name it, for a plain ``dcp.load`` of a step folder.
 
@@ -149,14 +174,15 @@ class _Contents:
     def step(self) -> int:
         return self.entry.step
 
-    def lightning_dict(self) -> dict[str, Any]:
+    def lightning_dict(self, keys: list[str] | None = None) -> dict[str, Any]:
+        """The ``.ckpt`` dict; ``keys``: its top-level keys (a name's, as its save asked), default all saved."""
         if self.adapter != "lightning" or not isinstance(self.state, dict):
             raise ConfigError(
                 f"{self.entry.where()} was saved by {_saver(self.adapter)}, not Lightning: a .ckpt is made from a "
                 "Lightning run's checkpoint; export this one with --format torch or --format safetensors"
             )
         assert self.entry.manifest is not None
-        keys = list(self.state)
+        keys = list(self.state) if keys is None else keys
         if self.weights_only:
             keys = lightning_ckpt.weights_only_keys(keys)
         rank0 = self.reader.tree(rank_state_file(0)) if self.entry.manifest.file(rank_state_file(0)) else None

@@ -4,9 +4,9 @@
 users load those files with ``Model.load_from_checkpoint``, ``torch.load`` or a Trainer without this pack. The
 engine keeps each checkpoint as a committed ``step-<N>`` directory (the single source of truth, written in
 parallel by every rank); a name is materialised from it only after its local commit, in the background on
-rank 0: the step is read back (it is in the page cache) and written with ``torch.save`` to a temporary file
-that is then renamed over the name. So a name never exists before its data is committed, and never holds a
-partly written file.
+rank 0: the step is streamed back (it is in the page cache), a few tensors at a time, into a temporary file
+in ``torch.save``'s format that is then renamed over the name. So a name never exists before its data is
+committed, never holds a partly written file, and never needs a second copy of the state in memory.
 
 Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
 step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`).
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from resilience import catalog
-from resilience.export import METADATA_KEY, read_committed, write_file_atomically
-from resilience.formats.lightning_ckpt import as_name, is_weights_only
+from resilience.export import METADATA_KEY, write_name
+from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
 from resilience.layout import parse_step_dirname
 from resilience.save_handle import SaveHandle
@@ -202,10 +202,16 @@ class NameWriter:
                     extra=extra,
                 )
             else:
-                restored = read_committed(self.local, name.step, verify=not fresh, allow_pickle=allow_pickle)
-                checkpoint = as_name(restored.state, restored.rank_state, name.keys)
-                checkpoint.update(self.metadata(name.step, name.run_id))
-                write_file_atomically(checkpoint, name.path, storage_options=self._options.get(name.path))
+                write_name(
+                    self.local,
+                    name.step,
+                    name.path,
+                    name.keys,
+                    self.metadata(name.step, name.run_id),
+                    verify=not fresh,
+                    allow_pickle=allow_pickle,
+                    storage_options=self._options.get(name.path),
+                )
         except BaseException:
             log.exception("writing the checkpoint file %s failed", name.path)
             raise
