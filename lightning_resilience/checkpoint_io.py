@@ -215,22 +215,7 @@ class ResilientCheckpointIO(CheckpointIO):
             TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
         session = self.bind(trainer) if trainer is not None else self.session
-        fitting = _fitting(trainer)
-        self._save(session, checkpoint, path, storage_options, layout, trainer, fitting)
-        if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
-            session.manager.rest(wait=False)
-
-    def _save(
-        self,
-        session: TrainingSession,
-        checkpoint: dict[str, Any],
-        asked: _PATH,
-        storage_options: Any | None,
-        layout: str,
-        trainer: pl.Trainer | None,
-        fitting: bool,
-    ) -> None:
-        step, names = int(checkpoint.get("global_step", 0)), self._names
+        step, names, fitting = int(checkpoint.get("global_step", 0)), self._names, _fitting(trainer)
         # small, or nothing to overlap with: the name is there when the call returns, as with Lightning's plugin
         now = not fitting or tensor_bytes(checkpoint) < self.sync_names_below_mb * 2**20
         with session.blocking():
@@ -242,22 +227,24 @@ class ResilientCheckpointIO(CheckpointIO):
                 else:
                     state = split_checkpoint(checkpoint, trainer)
                 handle = session.save(step, state, reason="named")
-            path, keys, run_id = os.fspath(asked), list(checkpoint), session.manager.run_id
+            name, keys, run_id = os.fspath(path), list(checkpoint), session.manager.run_id
             if layout == SHARDED or not now:  # written from the committed step, in the background
                 if handle is not None:  # None: skipped (when_busy="skip"), so no step to name
-                    written = names.add(path, step, keys, handle, run_id, storage_options, layout) if names else None
+                    written = names.add(name, step, keys, handle, run_id, storage_options, layout) if names else None
                     if now:
                         (written or handle.committed).result()
-                return
-            if handle is not None:
-                handle.committed.result()
-            if names is not None:  # from the dict in hand; outside fit() by Lightning's own plugin
-                named = {**checkpoint, **names.metadata(step, run_id)}
-                if fitting:
-                    write_file_atomically(named, path, storage_options=storage_options)
-                else:
-                    TorchCheckpointIO().save_checkpoint(named, asked, storage_options=storage_options)
-                names.written(path, step, keys, run_id)
+            else:
+                if handle is not None:
+                    handle.committed.result()
+                if names is not None:  # from the dict in hand; outside fit() by Lightning's own plugin
+                    named = {**checkpoint, **names.metadata(step, run_id)}
+                    if fitting:
+                        write_file_atomically(named, name, storage_options=storage_options)
+                    else:
+                        TorchCheckpointIO().save_checkpoint(named, path, storage_options=storage_options)
+                    names.written(name, step, keys, run_id)
+        if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
+            session.manager.rest(wait=False)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None

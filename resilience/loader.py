@@ -52,6 +52,7 @@ class Restored:
     manifest: Manifest
     tier: str
     path: str
+    timings: dict[str, float] = field(default_factory=dict)  # the load's parts (CheckpointManager.load)
 
 
 # ---- safe reads --------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from resilience.errors import (
     describe,
 )
 from resilience.events import Events, Listener
+from resilience.goodput.ledger import LOAD_PARTS
 from resilience.helper import HelperPipeline, HelperSettings, helper_log_level, helper_preload, start_store
 from resilience.layout import (
     CORRUPT_MANIFEST,
@@ -188,10 +189,11 @@ class CheckpointManager:
         ``fit()``): a framework's teardown is expected to leave no threads behind (Lightning's own tests fail one
         that does), and a process idling after training has no use for a helper. Call on every rank together,
         as saves are called: the next save then starts every rank's helper together (about 0.3 s here).
-        ``wait=False``: rest only if no rank has a save still being written or uploaded (else the helpers stay
-        at their work; collective, so that every rank's helper goes or none). Returns whether the engine rests.
+        ``wait=False``: rest only if no rank has an upload still running (else the helpers stay at their work;
+        collective, so that every rank's helper goes or none); local commits are waited for. Returns whether
+        the engine rests.
         """
-        if not wait and self.groups.control.max([int(bool(self.pending_steps()))])[0]:
+        if not wait and self.durable is not None and self.groups.control.max([int(bool(self.pending_steps()))])[0]:
             return False
         self.drain()
         if isinstance(self.pipeline, HelperPipeline) and not self._resting:
@@ -657,8 +659,10 @@ class CheckpointManager:
         self.wait_for_staging()  # the load fills live tensors in place
         allow_pickle = self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1"
         rejected: set[tuple[int, str]] = set()
+        # where the time goes, copies set aside included: listing the tiers, checksums, the read itself
+        timings = dict.fromkeys(LOAD_PARTS, 0.0)
         while True:
-            entry = self._choose(step, rejected)
+            entry = self._choose(step, rejected, timings)
             if entry is None:
                 if step is not None:
                     raise NoCheckpointError(
@@ -666,6 +670,7 @@ class CheckpointManager:
                         "`resilience ls` to see what exists"
                     )
                 return None
+            began = time.monotonic()
             try:
                 restored = self._load_entry(
                     entry, target, rank_state=rank_state, allow_pickle=allow_pickle, leave_out=leave_out
@@ -681,6 +686,9 @@ class CheckpointManager:
                 self._warn(f"Skipping {entry.where()} for now: {exc}; trying an older checkpoint")
                 rejected.add((entry.step, entry.tier.name))
                 continue
+            finally:
+                timings["read_s"] += time.monotonic() - began
+            restored.timings = timings
             self._restored = restored
             # the state in memory is now this step's: earlier saves of this process no longer describe it
             self._handles = {
@@ -716,7 +724,13 @@ class CheckpointManager:
         restored: Restored = box["restored"]
         return restored
 
-    def _choose(self, step: int | None, rejected: set[tuple[int, str]] | None = None) -> catalog.Entry | None:
+    def _choose(
+        self, step: int | None, rejected: set[tuple[int, str]] | None = None, timings: dict[str, float] | None = None
+    ) -> catalog.Entry | None:
+        """The newest copy that verifies (of ``step``), not ``rejected``; adds to ``timings``' discovery and
+        verification seconds."""
+        spent = timings if timings is not None else dict.fromkeys(LOAD_PARTS, 0.0)
+
         def listed() -> list[tuple[str, int, str, Any, str | None]]:
             return [
                 (e.tier.name, e.step, e.path, e.manifest, e.problem)
@@ -726,13 +740,23 @@ class CheckpointManager:
 
         # Rank 0 lists once; every rank verifies a share of the files, so a full check scales with ranks.
         tiers: dict[str, Tier | None] = {"local": self.local, "durable": self.durable}
+        began = time.monotonic()
         entries = [
             catalog.Entry(s, tier, path, manifest, problem)
             for name, s, path, manifest, problem in self.groups.control.decide(listed)
             if (tier := tiers[name]) is not None
         ]
+        spent["discover_s"] += time.monotonic() - began
         share = (self.rank, self.world_size)
-        return catalog.first_verified(entries, lambda e: self._verify_together(e, share), self._warn)
+
+        def verify(entry: catalog.Entry) -> str | None:
+            began = time.monotonic()
+            try:
+                return self._verify_together(entry, share)
+            finally:
+                spent["verify_s"] += time.monotonic() - began
+
+        return catalog.first_verified(entries, verify, self._warn)
 
     def _hashes_before_load(self, entry: catalog.Entry) -> bool:
         """Whether discovery hashes this copy's shards: with ``verify="auto"`` only the local tier's (the durable

@@ -357,7 +357,8 @@ class TrainingSession:
         began, self._restore_began = self._restore_began, None
         seconds = time.perf_counter() - began if began is not None else 0.0
         if self.ledger is not None:
-            self.ledger.restored(restored.step if restored is not None else None, seconds)
+            parts = restored.timings if restored is not None else {}
+            self.ledger.restored(restored.step if restored is not None else None, seconds, parts)
         self._pending_rng = None
         if rng is not None:
             if rng_at == "now":

@@ -235,11 +235,21 @@ def test_sigkill_and_relaunch_show_in_the_ledger_with_lost_progress(
     assert killed.lost_s > 0 and summary.buckets["lost"] == pytest.approx(killed.lost_s)
     assert relaunched.buckets["restore"] > 0 and relaunched.downtime_before_s > 0
     assert sum(summary.buckets.values()) == pytest.approx(summary.wall_s)
+    # the way back, split: start-up before the restore, its listing, checksums and read, the first step after it
+    parts = relaunched.recovery
+    assert all(parts[part] > 0 for part in ("startup_s", "discover_s", "verify_s", "read_s", "first_step_s")), parts
+    restore = relaunched.buckets["restore"]
+    assert parts["discover_s"] + parts["verify_s"] + parts["read_s"] + parts["in_place_s"] == pytest.approx(
+        restore, abs=1e-3
+    )
+    assert relaunched.recovery_s == pytest.approx(relaunched.downtime_before_s + sum(parts.values()))
+    assert killed.recovery_s == 0
 
     assert cli(["report", str(ckpt)]) == 0
     table = capsys.readouterr().out
     assert "2 incarnation(s), 1 failure(s)" in table and "killed (no end record)" in table
     assert f"{resumed_at:>10}  {relaunched.redone_steps:>6}" in table
+    assert "Recovery per restart" in table and "FIRST STEP" in table
 
 
 def test_auto_interval_is_young_daly_from_the_measured_costs(tmp_path: Path) -> None:

@@ -276,3 +276,5 @@ def test_lightning_cli_fit_stop_fit_again_resumes(tmp_path: Path) -> None:
     assert (run / "goodput").is_dir()
     summary = resilience_json("report", str(run))
     assert summary["failures"] == 1 and len(summary["incarnations"]) == 2
+    resumed = summary["incarnations"][1]["recovery"]  # the relaunch's way back to training, split into its parts
+    assert all(resumed[part] > 0 for part in ("startup_s", "discover_s", "verify_s", "read_s", "first_step_s"))

@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 LEDGER_DIR = "goodput"
 FORMAT_VERSION = 1
 # Buckets a running process fills; the summary adds "lost" (reclassified productive time) and "downtime".
+# A restore's parts (CheckpointManager.load's timings): listing the tiers, checksums, the read itself.
+LOAD_PARTS = ("discover_s", "verify_s", "read_s")
 PROCESS_BUCKETS = ("productive", "data_wait", "checkpoint", "restore", "startup", "emergency", "other")
 COMPLETED = "completed"
 
@@ -103,6 +105,7 @@ class GoodputLedger:
         self._steps = 0
         self._first_step: int | None = None
         self._last_step: int | None = None
+        self._started_at: float | None = None  # when startup_done was called
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         self.path: Path | None = None
@@ -117,7 +120,8 @@ class GoodputLedger:
 
         Written at once, so an incarnation that dies at its first step still shows its startup and restore.
         """
-        self._close("startup", self._clock())
+        self._started_at = self._clock()
+        self._close("startup", self._started_at)
         self._residual = "other"
         self._write_span()
 
@@ -141,6 +145,8 @@ class GoodputLedger:
         self._residual = "other"
         if self._first_step is None:
             self._first_step = step
+            if self._started_at is not None:  # the first step of a (resumed) run: warm-up, compilation
+                self.note("first_step", step=step, seconds=round(now - self._started_at, 4))
         self._last_step = step
         self._steps += 1
         if now - self._span_t0 >= self.span_s:
@@ -156,12 +162,14 @@ class GoodputLedger:
         """Time a save blocked training (staging, waiting for the previous save), not the background write."""
         self._carve("checkpoint", seconds, step=step)
 
-    def restored(self, step: int | None, seconds: float) -> None:
+    def restored(self, step: int | None, seconds: float, parts: dict[str, float] | None = None) -> None:
         """Discovery and load took ``seconds`` and resumed at ``step`` (None: nothing to resume, a fresh start).
 
-        Report it before the boundary that ends the period it happened in (before ``startup_done``).
+        ``parts``: what the seconds were spent on (``discover_s``, ``verify_s``, ``read_s``; the rest of them
+        is putting the state in place). Report it before the boundary that ends the period it happened in
+        (before ``startup_done``).
         """
-        self._carve("restore", seconds, step=step)
+        self._carve("restore", seconds, step=step, **{name: round(value, 4) for name, value in (parts or {}).items()})
 
     def emergency(self, seconds: float, reason: str) -> None:
         """Time spent on fault handling (emergency save, draining, health checks after an error)."""

@@ -6,7 +6,9 @@ import json
 import sys
 import time
 
-from resilience.goodput.summary import LABELS, GoodputSummary, Incarnation, summarize
+from resilience.goodput.summary import LABELS, RECOVERY_PARTS, GoodputSummary, Incarnation, summarize
+
+RECOVERY_HEADS = ("START-UP", "LIST", "VERIFY", "READ", "IN PLACE", "FIRST STEP")  # RECOVERY_PARTS'
 
 
 def duration(seconds: float) -> str:
@@ -66,6 +68,20 @@ def render_table(summary: GoodputSummary) -> str:
         "RESUMED AT: step restored ('?': inferred from the first step done); REDONE: steps done before that had "
         "to be done again; LOST: this incarnation's productive time thrown away by a later resume."
     )
+    restarts = summary.incarnations[1:]
+    if restarts:
+        lines += ["", "Recovery per restart, from the previous incarnation's last record to the first step done:"]
+        lines.append(f"{'#':>3}  {'DOWN':>8}  " + "  ".join(f"{h:>9}" for h in RECOVERY_HEADS) + f"  {'TOTAL':>8}")
+        for inc in restarts:
+            parts = "  ".join(f"{duration(inc.recovery.get(part, 0.0)):>9}" for part in RECOVERY_PARTS)
+            lines.append(
+                f"{inc.index:>3}  {duration(inc.downtime_before_s):>8}  {parts}  {duration(inc.recovery_s):>8}"
+            )
+        lines.append(
+            "DOWN: no process of the run alive; START-UP: interpreter, imports, model, process group; LIST, VERIFY, "
+            "READ: finding the checkpoint, its checksums, reading it; IN PLACE: the state put into the model; "
+            "FIRST STEP: the first training step after it."
+        )
     if summary.skipped_lines:
         lines.append(
             f"{summary.skipped_lines} unreadable ledger line(s) skipped (a kill mid-write tears the last one)."

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from resilience.errors import ResilienceError
-from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, ledger_dir
+from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, LOAD_PARTS, ledger_dir
 
 log = logging.getLogger(__name__)
 
+# An incarnation's way back to training after a restart, in order (with the downtime before it).
+RECOVERY_PARTS = ("startup_s", *LOAD_PARTS, "in_place_s", "first_step_s")
 BUCKETS = ("productive", "data_wait", "checkpoint", "restore", "startup", "lost", "emergency", "other", "downtime")
 LABELS = {
     "productive": "productive steps",
@@ -85,10 +87,16 @@ class Incarnation:
     failed: bool = False
     spans: list[Span] = field(default_factory=list, repr=False)
     events: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    recovery: dict[str, float] = field(default_factory=dict)  # RECOVERY_PARTS: how it got back to training
 
     @property
     def uptime_s(self) -> float:
         return self.end - self.start
+
+    @property
+    def recovery_s(self) -> float:
+        """From the previous incarnation's last record to this one's first step done (0 for the first)."""
+        return self.downtime_before_s + sum(self.recovery.values()) if self.index else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         row = asdict(self)
@@ -214,6 +222,15 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
             buckets[name if name in buckets else "other"] += seconds
     stepped = [s for s in spans if s.last_step is not None]
     restores = [r for r in records if r["e"] == "restore"]
+    first = next((r for r in records if r["e"] == "first_step"), {})
+    restore = restores[-1] if restores else {}
+    loading = {part: float(restore.get(part, 0.0)) for part in LOAD_PARTS}
+    recovery = {
+        "startup_s": buckets["startup"],  # interpreter, imports, model, process group: all before the restore
+        **loading,
+        "in_place_s": max(0.0, float(restore.get("seconds", 0.0)) - sum(loading.values())),
+        "first_step_s": float(first.get("seconds", 0.0)),
+    }
     end = next((r for r in reversed(records) if r["e"] == "end"), None)
     first_step = stepped[0].first_step if stepped else None
     restored_step: int | None
@@ -238,6 +255,7 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         buckets=buckets,
         spans=spans,
         events=[r for r in records if r["e"] not in ("start", "span")],
+        recovery=recovery,
     )
 
 
