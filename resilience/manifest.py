@@ -156,9 +156,9 @@ def hash_stream(stream: IO[bytes], copy_to: IO[bytes] | None = None) -> tuple[st
     what verifying a local checkpoint costs). Anything else is read into one reused buffer.
     """
     digest = xxhash.xxh3_64()
-    fd = _mappable(stream)
-    if fd is not None:
-        size = os.fstat(fd).st_size
+    mappable = _mappable(stream)
+    if mappable is not None:
+        fd, size = mappable
         for offset in range(0, size, _WINDOW):
             with mmap.mmap(fd, min(_WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as window:
                 digest.update(window)
@@ -177,15 +177,16 @@ def hash_stream(stream: IO[bytes], copy_to: IO[bytes] | None = None) -> tuple[st
     return digest.hexdigest(), size
 
 
-def _mappable(stream: IO[bytes]) -> int | None:
-    """The descriptor of ``stream`` if it is a regular, non-empty file positioned at its start, else None."""
+def _mappable(stream: IO[bytes]) -> tuple[int, int] | None:
+    """(descriptor, size) of ``stream`` if it is a regular, non-empty file positioned at its start, else None."""
     try:
         fd = stream.fileno()
-        if stream.tell() != 0 or not stat.S_ISREG(os.fstat(fd).st_mode) or os.fstat(fd).st_size == 0:
+        info = os.fstat(fd)
+        if stream.tell() != 0 or not stat.S_ISREG(info.st_mode) or info.st_size == 0:
             return None
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
         return None
-    return fd
+    return fd, info.st_size
 
 
 def hash_bytes(data: bytes) -> str:

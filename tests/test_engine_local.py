@@ -22,6 +22,7 @@ from resilience import (
     shm,
 )
 from resilience.cli import main as cli
+from resilience.owners import process_start_ticks
 from resilience.pipeline import Pipeline
 from resilience.staging import SEGMENTS
 from resilience.storage import LocalTier
@@ -432,24 +433,15 @@ def test_a_resting_engine_holds_no_helper_or_thread_and_the_next_save_starts_one
         first_pid = m.pipeline.pid  # type: ignore[union-attr]
         assert first_pid is not None
         assert [t.name for t in set(threading.enumerate()) - before] == []
-        wait_for(lambda: not _alive(first_pid))  # the helper process ended too
+        wait_for(lambda: process_start_ticks(first_pid) is None)  # the helper process ended too (or is a zombie)
         handle = m.save(2, make_state(2))
         assert handle is not None and handle.committed.result(60).step == 2
         assert m.pipeline.pid != first_pid  # type: ignore[union-attr]
-        assert _alive(m.pipeline.pid)  # type: ignore[union-attr]  # the new helper lives until close
+        assert process_start_ticks(m.pipeline.pid) is not None  # type: ignore[union-attr]  # the new helper lives until close
     with manager(tmp_path / "ckpt") as m:
         restored = m.load()
     assert restored is not None and restored.step == 2
     assert torch.equal(restored.state["model"]["w"], make_state(2)["model"]["w"])  # type: ignore[index]
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, not yet reaped by the fork server, has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stream:
-            return stream.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # reaped before, or while, its record was read
-        return False
 
 
 def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None:

@@ -235,7 +235,7 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
     first_step = stepped[0].first_step if stepped else None
     restored_step: int | None
     if restores:  # a restore that found nothing (step None) is a fresh start: every earlier step is redone
-        restored_step = restores[-1].get("step")
+        restored_step = restore.get("step")
         restored_step = 0 if restored_step is None else restored_step
     else:  # no restore reported: the first step done says where it resumed
         restored_step = first_step - 1 if first_step is not None else None
