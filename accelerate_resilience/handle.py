@@ -250,11 +250,12 @@ class ResilienceHandle:
         positioned = rank_state is not None and self._tracker is not None and self._tracker.stateful
         if self._tracker is not None:
             self._tracker.resume_at(epoch, batch, positioned=positioned)
-        rng = rank_state["rng"] if rank_state is not None else None
         at_next_batch = rank_state is not None and rank_state["rng_at_next_batch"] and self._tracker is not None
-        self.session.restored(restored, rng=rng, rng_at="next_batch" if at_next_batch else "now")
-        if self.accelerator.is_main_process:
-            log.info("resumed from %s at epoch %d, batch %d, global step %d", where, epoch, batch, restored.step)
+        self.session.restored(
+            restored,
+            rng_at="next_batch" if at_next_batch else "now",
+            position=f"epoch {epoch}, batch {batch}, global step {restored.step}",
+        )
         return ResumePoint(
             epoch=epoch,
             batch_in_epoch=batch,
@@ -395,29 +396,19 @@ class ResilienceHandle:
     def _routed_save_state(
         self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
     ) -> str | None:
-        ours, _ = self.manager.config.locate(output_dir) if output_dir is not None else (True, None)
-        if ours:
-            handle = self.save()
-            return self.manager.local.step_path(handle.step) if handle is not None else None
-        if "://" in os.fspath(output_dir):  # type: ignore[arg-type]
-            raise ConfigError(
-                f"save_state({os.fspath(output_dir)!r}): Accelerate would write this URL as a local folder. Set "  # type: ignore[arg-type]
-                "ResiliencePlugin(durable_url=...) (or ACCELERATE_RESILIENCE_DURABLE_URL) and call save_state()"
-            )
-        return self._originals["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+        ours, _ = self.manager.config.locate(output_dir, "save_state")
+        if not ours:
+            return self._originals["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
+        handle = self.save()
+        return self.manager.local.step_path(handle.step) if handle is not None else None
 
     def _routed_load_state(
         self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
     ) -> ResumePoint | None:
-        ours, step = self.manager.config.locate(input_dir) if input_dir is not None else (True, None)
-        if ours:  # also the examples' --resume_from_checkpoint <dir>/step-N
-            return self.resume(step)
-        if "://" in os.fspath(input_dir):  # type: ignore[arg-type]
-            raise ConfigError(
-                f"load_state({os.fspath(input_dir)!r}): only this run's durable_url "  # type: ignore[arg-type]
-                f"({self.manager.config.durable_url}) is read through the engine; attach a plugin with that URL"
-            )
-        return self._originals["load_state"](input_dir, load_kwargs=load_kwargs, **kwargs)
+        ours, step = self.manager.config.locate(input_dir, "load_state")
+        if not ours:
+            return self._originals["load_state"](input_dir, load_kwargs=load_kwargs, **kwargs)
+        return self.resume(step)  # also the examples' --resume_from_checkpoint <dir>/step-N
 
     def _routed_skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         if isinstance(dataloader, TimedIterator):  # skip in the loader it times, and time the result

@@ -25,7 +25,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_resilience.lightning_state import (
     boundary_snapshot,
@@ -269,14 +269,9 @@ class ResilientCheckpointIO(CheckpointIO):
                 f"No committed checkpoint verifies under {where}: start without ckpt_path, or run `resilience ls`"
             )
         self.resumed_at_epoch_end = saved_at_epoch_end(restored.state)
-        rng = restored.rank_state["rng"] if restored.rank_state is not None else None
-        if rng is not None:
-            restore_rng(rng)  # now, and again where the saved run stood (AutoResume and the session do that)
-        session.restored(restored, rng=rng, rng_at="start" if self.resumed_at_epoch_end else "next_batch")
-        checks = "every file's checksum" if self.config.verify != "size" else "sizes and small files' checksums"
-        rank_zero_info(
-            f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}), verified: {checks}"
-        )
+        if restored.rank_state is not None:
+            restore_rng(restored.rank_state["rng"])  # now, and again where the saved run stood (below, AutoResume)
+        session.restored(restored, rng_at="start" if self.resumed_at_epoch_end else "next_batch")
         return merge_checkpoint(restored.state, restored.rank_state)
 
     def resolve(self, path: str) -> tuple[int | None, str | None]:
@@ -375,3 +370,5 @@ def log_through_lightning() -> None:
         if not any(isinstance(handler, _ThroughLightning) for handler in engine.handlers):
             engine.addHandler(_ThroughLightning())
             engine.propagate = False
+            if engine.level == logging.NOTSET:  # else the root's WARNING would drop INFO before the handler
+                engine.setLevel(logging.INFO)

@@ -135,11 +135,15 @@ class CheckpointConfig:
             tiers.append(DurableTier(self.durable_url, self.storage_options))
         return tiers
 
-    def locate(self, location: str | os.PathLike[str]) -> tuple[bool, int | None]:
+    def locate(self, location: str | os.PathLike[str] | None, call: str) -> tuple[bool, int | None]:
         """Whether ``location`` names one of these tiers' roots (or a ``step-<N>`` folder in one), and that step.
 
-        Frameworks' own save and load calls take a folder; those naming this engine's are routed to it.
+        Frameworks' own save and load calls (``call``, for the error) take a folder; those naming this engine's
+        are routed to it, as is a call with no folder. Any other URL is refused: frameworks would take it for a
+        local folder, and this engine reads and writes only its own tiers.
         """
+        if location is None:
+            return True, None
         text = os.fspath(location).rstrip("/")
         roots = [os.fspath(self.local_root)] + ([self.durable_url.rstrip("/")] if self.durable_url else [])
 
@@ -154,6 +158,11 @@ class CheckpointConfig:
         parent = text.rsplit("/", 1)[0] if "/" in text else "."
         if step is not None and any(same(parent, root) for root in roots):
             return True, step
+        if "://" in text:
+            raise ConfigError(
+                f"{call}({text!r}): the framework would write this URL as a local folder, and it is not this run's "
+                f"durable_url ({self.durable_url}): set durable_url to it and call {call}() without a folder"
+            )
         return False, None
 
 

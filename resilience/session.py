@@ -14,7 +14,7 @@ The session owns the rest:
 
 Call order on every rank::
 
-    restored = session.restore(target)     # a resume (optional); then session.restored(restored, rng=...)
+    restored = session.restore(target)     # a resume (optional); then session.restored(restored)
     session.start(step)                    # training begins (collective: claims the checkpoint root)
     loop: session.step_begin(); ...; boundary = session.step_end(step)  # collective
           if boundary.stop: leave the loop
@@ -346,13 +346,13 @@ class TrainingSession:
             )
         return replace(restored, rank_state=None)
 
-    def restored(
-        self, restored: Restored | None, *, rng: dict[str, Any] | None = None, rng_at: RngTiming = "now"
-    ) -> None:
+    def restored(self, restored: Restored | None, *, rng_at: RngTiming = "now", position: str = "") -> None:
         """A resume happened (or found nothing: ``restored`` None), and its state is in place.
 
-        ``rng``: the saved RNG streams, applied ``"now"``, when training starts, or when the next batch is in
-        hand (a mid-epoch save was taken with the loader's iterator already made, which draws from the RNG).
+        The main process says what was restored (step, tier, path, what was verified, and ``position``, the
+        adapter's words for where training continues). The rank state's ``"rng"`` streams (:func:`capture_rng`),
+        if any, are applied ``"now"``, when training starts, or when the next batch is in hand (a mid-epoch save
+        was taken with the loader's iterator already made, which draws from the RNG).
         """
         began, self._restore_began = self._restore_began, None
         seconds = time.perf_counter() - began if began is not None else 0.0
@@ -360,11 +360,19 @@ class TrainingSession:
             parts = restored.timings if restored is not None else {}
             self.ledger.restored(restored.step if restored is not None else None, seconds, parts)
         self._pending_rng = None
-        if rng is not None:
+        if restored is None:
+            return
+        if self.is_main:
+            sizes = self.manager.config.verify == "size"
+            checks = "sizes and small files' checksums" if sizes else "every file's checksum"
+            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path})"
+            log.info("%s, verified: %s%s", where, checks, f"; {position}" if position else "")
+        saved_rng = restored.rank_state.get("rng") if isinstance(restored.rank_state, dict) else None
+        if saved_rng is not None:
             if rng_at == "now":
-                restore_rng(rng)
+                restore_rng(saved_rng)
             else:
-                self._pending_rng = (rng, rng_at)
+                self._pending_rng = (saved_rng, rng_at)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 

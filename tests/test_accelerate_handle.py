@@ -145,8 +145,10 @@ def test_routed_methods_and_their_limits(tmp_path: Path) -> None:
     resilience = attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "ck")))
     with pytest.raises(ConfigError, match="already has a ResilienceHandle"):
         attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "other")))
-    with pytest.raises(ConfigError, match="Accelerate would write this URL as a local folder"):
+    with pytest.raises(ConfigError, match="the framework would write this URL as a local folder"):
         accelerator.save_state("s3://bucket/run")
+    with pytest.raises(ConfigError, match=r"load_state\('s3://bucket/run'\): .* not this run's durable_url \(None\)"):
+        accelerator.load_state("s3://bucket/run/")
     train(job, resilience, resilience.resume(), stop_at=3)  # saves through accelerator.save_state()
     # same step as the last save: nothing new, and the folder that holds it, as Accelerate returns its output dir
     assert accelerator.save_state(str(tmp_path / "ck")) == str(tmp_path / "ck" / "step-3")

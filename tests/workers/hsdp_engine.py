@@ -68,7 +68,7 @@ def session_run(mode: str, root: Path, model: torch.nn.Module, opt: torch.optim.
         assert restored is not None
         restore("fsdp2", model, opt, restored.state)
         step = restored.step
-        session.restored(restored, rng=restored.rank_state["rng"])
+        session.restored(restored)
         print("RESUMED", step, restored.manifest.extra.get("survivor_save"), flush=True)
     session.start(step)
     try:

@@ -71,7 +71,7 @@ def main() -> None:
         assert restored is not None
         optimizer.load_state_dict(restored.state["optim"])
         step = restored.step
-        session.restored(restored, rng=restored.rank_state["rng"])
+        session.restored(restored)
         marks["mark"] = restored.rank_state["marks"]["mark"].clone()
         print("RESUMED", json.dumps({"step": step, "mark": int(marks["mark"])}), flush=True)
     session.start(step)
