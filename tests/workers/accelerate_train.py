@@ -154,7 +154,7 @@ def train(
 
 def final_state(job: Job) -> dict[str, Any]:
     """What the tests compare; under FSDP2 the model and optimizer gathered to full tensors (collective)."""
-    if job.accelerator.is_fsdp2:
+    if getattr(job.accelerator, "is_fsdp2", False):  # accelerate 1.3 (the floor) has no FSDP2, nor the attribute
         full = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it to rank 0)
         model = get_model_state_dict(job.model, options=full)
         optimizer = get_optimizer_state_dict(job.model, job.optimizer.optimizer, options=full)  # type: ignore[attr-defined]
