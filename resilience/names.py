@@ -24,12 +24,13 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from resilience import catalog
-from resilience.export import METADATA_KEY, write_name
+from resilience.export import METADATA_KEY, write_file_atomically, write_name
 from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
 from resilience.layout import parse_step_dirname
@@ -241,6 +242,45 @@ class NameWriter:
             os.replace(tmp, self._path)
         except OSError as exc:  # a full disk must not stop training; names are written all the same
             log.warning("could not update %s: %s", self._path, exc)
+
+
+def publish(
+    names: NameWriter | None,
+    path: str,
+    step: int,
+    checkpoint: dict[str, Any],
+    handle: SaveHandle | None,
+    run_id: str | None,
+    layout: str = FILE,
+    storage_options: dict[str, Any] | None = None,
+    write: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    now: bool,
+) -> None:
+    """Name step ``step`` ``path``, for a framework's save of ``checkpoint`` that ``handle`` (None: skipped) makes.
+
+    ``names`` is rank 0's writer (None on the other ranks, which wait as it does). With ``now`` the name exists
+    when this returns: written from the dict in hand, by ``write`` (default :func:`write_file_atomically`), once
+    the step is committed; otherwise (and always for :data:`SHARDED`) it is made from the committed step in the
+    background, which ``now`` then waits for.
+    """
+    keys = list(checkpoint)
+    if layout == SHARDED or not now:
+        if handle is None:  # skipped (when_busy="skip"): no step to name
+            return
+        written = names.add(path, step, keys, handle, run_id, storage_options, layout) if names else None
+        if now:
+            (written or handle.committed).result()
+        return
+    if handle is not None:
+        handle.committed.result()
+    if names is not None:
+        named = {**checkpoint, **names.metadata(step, run_id)}
+        if write is None:
+            write_file_atomically(named, path, storage_options=storage_options)
+        else:
+            write(named)
+        names.written(path, step, keys, run_id)
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:
