@@ -208,6 +208,20 @@ def test_the_local_tier_refuses_urls(tmp_path) -> None:  # type: ignore[no-untyp
     assert LocalTier(tmp_path / "a" / ".." / "b").root == str(tmp_path / "b")
 
 
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_an_exclusive_write_refuses_a_file_that_exists(tmp_path, scheme: str) -> None:  # type: ignore[no-untyped-def]
+    """A manifest appears once: the commit protocol's one exclusive write. file:// makes it with link();
+    memory:// (like the object stores) with fsspec's pipe_file(mode="create"), which memory:// honours from
+    fsspec 2024.12, the floor; before it the second write replaced the first."""
+    url = (tmp_path / "durable").as_uri() if scheme == "file" else f"memory://exclusive/{tmp_path.name}"
+    tier = DurableTier(url)
+    path = f"{tier.root}/step-1/manifest.json"
+    tier.write_exclusive(path, b"first")
+    with pytest.raises(FileExistsError):
+        tier.write_exclusive(path, b"second")
+    assert tier.read_bytes(path) == b"first"
+
+
 def test_redact_masks_credentials() -> None:
     shown = redact(
         {
