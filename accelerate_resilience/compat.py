@@ -44,6 +44,11 @@ def registered_objects(accelerator: Accelerator) -> list[Any]:
     return list(accelerator._custom_objects)
 
 
+def is_fsdp2(accelerator: Accelerator) -> bool:
+    """``Accelerator.is_fsdp2`` (1.6+; before it, FSDP means FSDP1, which has no such attribute)."""
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
 def has_save_state_hooks(accelerator: Accelerator) -> bool:
     """Whether ``register_save_state_pre_hook`` was used (``Accelerator._save_model_state_pre_hook``)."""
     return bool(accelerator._save_model_state_pre_hook)

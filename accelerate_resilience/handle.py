@@ -86,7 +86,7 @@ class ResilienceHandle:
         health: HealthConfig | None = None,
     ):
         if accelerator.distributed_type in _UNSUPPORTED or (
-            accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2
+            accelerator.distributed_type == DistributedType.FSDP and not compat.is_fsdp2(accelerator)
         ):
             raise ConfigError(
                 f"accelerate_resilience does not handle {accelerator.distributed_type}, whose engine keeps its "

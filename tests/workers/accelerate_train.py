@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
-from accelerate_resilience import ResilienceHandle, ResumePoint, attach
+from accelerate_resilience import ResilienceHandle, ResumePoint, attach, compat
 
 EPOCHS = 3
 SAMPLES = 40
@@ -154,7 +154,7 @@ def train(
 
 def final_state(job: Job) -> dict[str, Any]:
     """What the tests compare; under FSDP2 the model and optimizer gathered to full tensors (collective)."""
-    if getattr(job.accelerator, "is_fsdp2", False):  # accelerate 1.3 (the floor) has no FSDP2, nor the attribute
+    if compat.is_fsdp2(job.accelerator):
         full = StateDictOptions(full_state_dict=True)  # on every rank (cpu_offload would keep it to rank 0)
         model = get_model_state_dict(job.model, options=full)
         optimizer = get_optimizer_state_dict(job.model, job.optimizer.optimizer, options=full)  # type: ignore[attr-defined]
