@@ -10,7 +10,6 @@ on this plugin's folders are routed here, so existing scripts keep their calls. 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
@@ -36,7 +35,6 @@ from resilience.save_handle import SaveHandle
 from resilience.session import Boundary, SaveState, TrainingSession
 from resilience.staging import barrier_for
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ROUTED = ("save_state", "load_state", "skip_first_batches", "end_training")

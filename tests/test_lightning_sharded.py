@@ -133,6 +133,8 @@ def test_hsdp_survivor_saves_a_lost_ranks_chunks_from_its_replica(tmp_path: Path
     manifest = json.loads((run / "ckpt" / "step-10" / "manifest.json").read_text())
     assert manifest["extra"]["survivor_save"] == {"saved_by": [0], "lost": [1]}
     assert {f["rank"] for f in manifest["files"] if f["kind"] == "shard"} == {0}
+    # the lost rank's RNG and data position, from the boundary state it published: without them, no exact resume
+    assert "rank-1.json" in {f["path"] for f in manifest["files"]}, "rank 1 left no boundary state of step 10"
     output = finished(train(run, "--layout", "hsdp", "--out", str(run / "final.pt")), 20)
     assert "Restored step 10" in output
     assert_same(load(run / "final.pt"), load(reference / "final.pt"))

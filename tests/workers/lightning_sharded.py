@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ class Record(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step == self.args.lose_rank_1_at and trainer.global_rank == 1:
+            time.sleep(0.2)  # the boundary's state reaches the other ranks first, as in a real forward pass
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
