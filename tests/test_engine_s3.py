@@ -44,6 +44,19 @@ def test_upload_commits_remotely_and_a_fresh_node_resumes_from_the_url(tmp_path:
     assert torch.equal(restored.state["model"]["w"], make_state(3)["model"]["w"])
 
 
+def test_an_exclusive_write_refuses_a_key_that_exists(s3: dict[str, object]) -> None:
+    """A manifest PUT carries If-None-Match: * (botocore from 1.35.21; s3fs's pipe_file(mode="create")), and
+    the server refuses it where the key exists (moto from 5.0.15): a committed manifest is never replaced."""
+    from resilience.storage import DurableTier
+
+    tier = DurableTier(str(s3["url"]), s3["options"])  # type: ignore[arg-type]
+    path = f"{tier.root}/step-1/manifest.json"
+    tier.write_exclusive(path, b"first")
+    with pytest.raises(FileExistsError):
+        tier.write_exclusive(path, b"second")
+    assert tier.read_bytes(path) == b"first"
+
+
 def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
     tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
