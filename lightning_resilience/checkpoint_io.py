@@ -226,8 +226,11 @@ class ResilientCheckpointIO(CheckpointIO):
                 else:
                     state = split_checkpoint(checkpoint, trainer)
                 handle = session.save(step, state, reason="named")
-            # outside fit() the file is written by Lightning's own plugin, as Lightning's tests expect
-            write = None if fitting else lambda named: TorchCheckpointIO().save_checkpoint(named, path, storage_options)
+
+            def lightnings_own(named: dict[str, Any]) -> None:  # outside fit(), as Lightning's tests expect
+                TorchCheckpointIO().save_checkpoint(named, path, storage_options=storage_options)
+
+            write = None if fitting else lightnings_own
             run_id, where = session.manager.run_id, os.fspath(path)
             publish(names, where, step, checkpoint, handle, run_id, layout, storage_options, write, now=now)
         if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
