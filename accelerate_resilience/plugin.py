@@ -12,8 +12,10 @@ from typing import Any, Literal
 
 from resilience import env_settings as env
 from resilience.config import CheckpointConfig
+from resilience.docstrings import document
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
+from resilience.peer_loss import PeerLossConfig
 from resilience.session import GoodputConfig, IntervalConfig
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
@@ -21,72 +23,53 @@ DEFAULT_KEEP_LAST = 3
 _ENGINE_NAMES = {"span_s": "goodput_span_s", "window_steps": "data_window_steps"}  # GoodputConfig's, these fields'
 
 
+# The fields' documentation is the engine configs' (resilience.docstrings); what differs here is said here.
+_OWN = {
+    "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a fault or "
+    "signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
+    "goodput": "Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went, across "
+    "restarts. Only the main process writes it.",
+}
+_NOTES = {
+    "storage_options": "In the variable: a JSON object.",
+    "every_n_steps": "A save comes when the next batch is drawn, so the step, its scheduler step and the data "
+    'position are complete; with ``"auto"`` the first comes 5 steps in, to measure C. Default: only when you '
+    "call ``save()``.",
+    "async_staging": "Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's, "
+    "``register_for_checkpointing`` objects) must not change before that step; turn it off for those.",
+    "grace_s": "The same time bounds a survivor save after a lost peer.",
+    "data_window_steps": "The figures are those of :meth:`ResilienceHandle.timed`.",
+    # the defaults the plugin takes from the Accelerator (the others are shown from the fields)
+    "local_dir": "Default: ``<project_dir>/resilience`` when the Accelerator has a "
+    "``ProjectConfiguration(project_dir=...)``.",
+    "keep_last": "Default: the ``ProjectConfiguration``'s ``total_limit`` (raised to 2), else 3.",
+    "run_dir": "Default: the ``ProjectConfiguration``'s ``project_dir``, else ``local_dir`` itself (its parent may "
+    "hold other runs).",
+}
+_RENAMED = {"local_dir": "local_root", "survivor_saves": "enabled", **{v: k for k, v in _ENGINE_NAMES.items()}}
+
+
 def env_name(field_name: str) -> str:
     return env.env_name(ENV_PREFIX, field_name)
 
 
+@document(
+    CheckpointConfig,
+    IntervalConfig,
+    GoodputConfig,
+    HealthConfig,
+    PeerLossConfig,
+    own=_OWN,
+    renamed=_RENAMED,
+    notes=_NOTES,
+    defaults=True,
+)
 @dataclass
 class ResiliencePlugin:
     """How and where an Accelerate job checkpoints; pass it to :func:`accelerate_resilience.attach`.
 
     Every field left at ``None`` is read from ``ACCELERATE_RESILIENCE_<FIELD>`` (e.g.
     ``ACCELERATE_RESILIENCE_DURABLE_URL``), else takes the default shown.
-
-    Args:
-        local_dir: Fast checkpoint tier (node-local disk or a shared file system). Default: ``<project_dir>/
-            resilience`` when the Accelerator has a ``ProjectConfiguration(project_dir=...)``.
-        durable_url: fsspec URL (``s3://bucket/run``, ``gs://...``) that committed checkpoints are uploaded to
-            in the background, and that a resume on a fresh machine reads from. Default: none.
-        storage_options: fsspec options for ``durable_url`` (endpoint, profile, ...); as JSON in the variable.
-            Never logged.
-        every_n_steps: Save automatically every N optimizer steps (when the next batch is drawn, so the step,
-            its scheduler step and the data position are complete), or ``"auto"``: about ``sqrt(2 * C * MTBF)``
-            seconds apart (Young/Daly), where ``C`` is the measured time a save blocks training, turned into
-            steps with the measured step time; the first save comes 5 steps in, to measure ``C``. Default: only
-            when you call ``save()``.
-        mtbf_hours: With ``"auto"``: the job's mean time between failures, if known. Default: observed from the
-            run's restarts in its goodput ledger, else a prior of 5.8 GPU-years per GPU.
-        min_interval_s: With ``"auto"``: the shortest interval it may choose. Default: 60.
-        max_interval_s: With ``"auto"``: the longest interval it may choose. Default: 21600 (6 hours).
-        keep_last: Newest checkpoints kept per tier (at least 2). Default: the ``ProjectConfiguration``'s
-            ``total_limit`` (raised to 2), else 3.
-        keep_every: Also keep every checkpoint whose step is a multiple of this. Default: none.
-        async_staging: Copy the state to host memory in the background too, so a save blocks for
-            milliseconds and the copy overlaps the next forward and backward; it is waited for before the next
-            optimizer step (and before a forward that updates BatchNorm statistics). Tensors changed elsewhere
-            (a forward that updates other buffers, ``register_for_checkpointing`` objects) must not change
-            before that step; turn it off for those. Default: true.
-        when_busy: ``"wait"`` for the previous save, or ``"skip"`` this one while it is still being written.
-        on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` trains on with the local tier.
-        verify: What a resume checks before trusting a checkpoint: ``"auto"`` and ``"full"`` (every checksum
-            of the copy it loads, from either tier), or ``"size"`` (sizes, and checksums of the small files).
-        fsync: Flush files to stable storage before the local commit. Default: true.
-        upload_concurrency: Files uploaded at once per rank. Default: 8.
-        upload_retries: Retries per file (exponential backoff with jitter) before an upload fails. Default: 5.
-        upload_backoff_s: First retry delay, doubling per attempt. Default: 0.5.
-        local_shared: Whether every rank sees the same ``local_dir`` (a shared file system). Default: when all
-            ranks are on one host.
-        allow_pickle: Load state values that could only be stored as pickles (they run code when loaded).
-        health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a
-            fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
-            Default: false.
-        grace_s: Seconds from a fault (or a lost peer) until the process must be on its way out (the emergency
-            or survivor save's local commit must fit, the upload gets what is left). Default: 25.
-        survivor_saves: When a rank dies or hangs, the healthy ranks commit the last completed step from their
-            replicas and exit 75 (needs a ``local_dir`` every rank sees). Default: true.
-        persist: Where the background half of saves runs: ``"process"`` (a helper process per rank, reading
-            the staged state from shared memory) or ``"thread"``. Default: ``"process"``.
-        goodput: Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went,
-            across restarts. Only the main process writes it. Default: true.
-        run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several
-            nodes be on a shared file system. Default: the ``ProjectConfiguration``'s ``project_dir``, else
-            ``local_dir`` itself (its parent may hold other runs).
-        goodput_span_s: How often the ledger writes what it has summed up: a ``kill -9`` loses at most this
-            much of the account (it then shows as downtime). Default: 10.
-        data_window_steps: Steps per window of the data-wait figures of :meth:`ResilienceHandle.timed`
-            (one metrics row and at most one starvation warning each). Default: 50.
-        starvation_threshold: Fraction of step time spent waiting for data above which the accelerator is
-            starving (a warning names the likely cause). Default: 0.05.
     """
 
     local_dir: str | None = env.setting(None, env.text)

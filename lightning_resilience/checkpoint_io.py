@@ -38,6 +38,7 @@ from lightning_resilience.lightning_state import (
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.dist import first_process_of_node, is_distributed
+from resilience.docstrings import document
 from resilience.names import FILE, SHARDED, NameWriter, publish, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
@@ -52,6 +53,16 @@ _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 _CONFIG_FIELDS = {item.name for item in dataclasses.fields(CheckpointConfig)}
 
 
+@document(
+    CheckpointConfig,
+    PeerLossConfig,
+    renamed={"survivor_saves": "enabled"},
+    own={
+        "sync_names_below_mb": "A checkpoint with less tensor data than this gets its file before ``save_checkpoint`` "
+        "returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the background."
+    },
+    notes={"local_root": "One run per directory.", "survivor_saves": "Needs one of the pack's callbacks."},
+)
 class ResilientCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints asynchronously and in parallel from every rank, with a commit protocol.
 
@@ -61,34 +72,6 @@ class ResilientCheckpointIO(CheckpointIO):
     checkpoint file, written from the committed step in the background (``load_from_checkpoint``,
     ``torch.load`` and Trainers without this plugin read it). A save outside ``fit()`` returns once committed
     and its file written. Under DDP use ``strategy="resilient_ddp"`` so every rank writes its part.
-
-    Args:
-        local_root: Fast tier directory (node-local disk, or shared storage). One run per directory.
-        durable_url: fsspec URL every node can reach (``s3://bucket/run``, ``gs://...``, ``file:///...``).
-        storage_options: fsspec options for ``durable_url`` (endpoint, credentials); never logged.
-        keep_last: Newest checkpoints each tier keeps, at least 2.
-        keep_every: Also keep every checkpoint whose global step is a multiple of this.
-        async_staging: Copy to host memory in the background; waits just before the next optimizer step.
-        staging_barrier: With ``async_staging``: ``"auto"`` (``"forward"`` for models with BatchNorm running
-            statistics, else ``"optimizer_step"``), ``"optimizer_step"`` or ``"forward"``.
-        when_busy: ``"wait"`` for, or ``"skip"`` a save due while the previous is still being written.
-        verify: What resume checks before trusting a checkpoint: ``"auto"`` and ``"full"`` (checksums of every
-            file of the copy it loads), or ``"size"`` (sizes, and checksums of the small files only).
-        fsync: Flush files before the local commit.
-        upload_concurrency: Files uploaded at once per rank.
-        upload_retries: Retries per file (exponential backoff) before the upload fails.
-        upload_backoff_s: First retry delay, doubling per attempt.
-        on_upload_error: ``"raise"`` stops training at the next save; ``"warn"`` keeps training on the local tier.
-        allow_pickle: Allow loading values that had to be pickled (e.g. custom objects in ``hyper_parameters``).
-        local_shared: Whether ``local_root`` is one file system all nodes see (default: only on a single host).
-        collective_timeout_s: Timeout of the checkpoint collectives' gloo groups.
-        sync_names_below_mb: A checkpoint with less tensor data than this gets its file before ``save_checkpoint``
-            returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the
-            background.
-        persist: ``"process"``: the background half of saves runs in a helper process per rank (no contention
-            with the training thread for the interpreter lock); ``"thread"``: in threads of the training process.
-        survivor_saves: When a rank dies or hangs (with one of the pack's callbacks), the healthy ranks commit
-            the last completed step from their replicas and exit 75; ``False`` turns it off.
     """
 
     def __init__(

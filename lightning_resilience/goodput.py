@@ -5,9 +5,11 @@ from __future__ import annotations
 import lightning.pytorch as pl
 
 from lightning_resilience.session_callback import SessionCallback
+from resilience.docstrings import document
 from resilience.session import GoodputConfig, TrainingSession
 
 
+@document(GoodputConfig, notes={"run_dir": "Default: ``trainer.default_root_dir``."})
 class GoodputMonitor(SessionCallback):
     """Keeps the goodput ledger of the run and logs data-wait and checkpoint metrics to every logger.
 
@@ -15,13 +17,6 @@ class GoodputMonitor(SessionCallback):
     step's start is the fetch and host-to-device copy plus whatever callbacks and validation did in between.
     The session counts that gap, less the time saves blocked and validation took, as data wait.
     ``resilience report RUN_DIR`` reads the ledger.
-
-    Args:
-        run_dir: Where the ledger lives (``<run_dir>/goodput/``); default ``trainer.default_root_dir``. It must
-            outlive a restart: on multi-node jobs use a shared file system.
-        window_steps: Steps per data-wait window (one metrics row and at most one starvation warning each).
-        starvation_threshold: Fraction of step time waiting for data above which the accelerator is starving.
-        span_s: How often the ledger writes what it has summed up (a kill loses at most this much of it).
     """
 
     def __init__(

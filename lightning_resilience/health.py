@@ -9,10 +9,12 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
+from resilience.docstrings import document
 from resilience.health import EmergencySave, HealthConfig
 from resilience.session import TrainingSession
 
 
+@document(HealthConfig)
 class HealthGuardCallback(SessionCallback):
     """Watches NVML, preemption signals and hangs; at a step boundary all ranks agree, save, commit and exit.
 
@@ -23,25 +25,6 @@ class HealthGuardCallback(SessionCallback):
     faults (thermal slowdown, pending row remaps, a hang warning) are logged and counted. Faults can be
     injected for drills with ``RESILIENCE_INJECT`` (see docs/HEALTH.md). It replaces Lightning's own SIGTERM
     handling for the run (which stops without saving). Every argument is a :class:`HealthConfig` field.
-
-    Args:
-        grace_s: Seconds from the fault until the process must be on its way out.
-        check_every_n_steps: Agree across ranks every this many steps (one tiny all-reduce each).
-        save_on_degraded: Also save (without stopping) when ranks agree on a degraded fault.
-        nvml: Watch GPUs through NVML; without a driver only signals and the hang watchdog work.
-        devices: NVML indices or UUIDs this rank watches (default: its LOCAL_RANK's CUDA_VISIBLE_DEVICES entry).
-        poll_interval_s: Seconds between NVML counter polls (events arrive without polling).
-        signals: Signals treated as preemption.
-        fault_table: Overrides of the fault table, e.g. ``{"xid": {"13": "fatal"}}``.
-        watchdog: Run the hang watchdog.
-        hang_factor: Warn when a step takes this many times the running median (and at least ``hang_min_s``).
-        hang_min_s: See ``hang_factor``.
-        hang_min_samples: Steps measured before the watchdog judges.
-        hang_window: Steps in the watchdog's running median.
-        exit_code_preempted: Exit code after a preemption.
-        exit_code_gpu_fault: Exit code after a fatal fault.
-        exit_timeout_s: Force the exit this long after the stop if teardown hangs.
-        inject: Faults to inject, in ``RESILIENCE_INJECT`` syntax (default: that environment variable).
     """
 
     def __init__(

@@ -8,9 +8,13 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
+from resilience.docstrings import document
 from resilience.session import IntervalConfig, TrainingSession
 
 
+@document(
+    IntervalConfig, own={"every_n_steps": 'Steps between saves, or ``"auto"`` for the interval that wastes least.'}
+)
 class PeriodicCheckpoint(SessionCallback):
     """Saves at a fixed step interval, or at the one that wastes least; each save is a full engine checkpoint.
 
@@ -21,13 +25,6 @@ class PeriodicCheckpoint(SessionCallback):
     every rank follows, so all save at the same step. The plan is logged after each save; it is kept in the
     checkpoint, so a resumed run goes on with it instead of measuring again. The saves make no ``.ckpt`` name
     (``ModelCheckpoint`` does that); ``AutoResume`` and ``resilience ls`` see them.
-
-    Args:
-        every_n_steps: Steps between saves, or ``"auto"``.
-        mtbf_hours: Mean time between failures of the whole job, if known.
-        min_interval_s: Shortest interval ``"auto"`` may choose.
-        max_interval_s: Longest interval ``"auto"`` may choose.
-        warmup_steps: With ``"auto"``, the first save comes after this many steps, to measure its cost.
     """
 
     def __init__(

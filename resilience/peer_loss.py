@@ -58,7 +58,8 @@ class PeerLossConfig:
     """What the survivors of a lost rank do.
 
     Attributes:
-        enabled: Save from the survivors when a rank dies or hangs (needs a local tier every rank sees).
+        enabled: When a rank dies or hangs, the healthy ranks commit the last completed step from their replicas
+            and exit (needs a local tier every rank sees).
         stale_s: A rank whose heartbeat is older than this counts as lost (a stopped or unreachable process;
             a dead process on this host is seen at once). Keep it below the hang watchdog's ``hang_min_s``.
         heartbeat_s: How often each rank's heartbeat is touched.

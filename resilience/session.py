@@ -83,7 +83,7 @@ class IntervalConfig:
             Young/Daly interval ``sqrt(2 * C * MTBF)`` from the measured blocking cost C of a save, or None for
             no interval saves.
         mtbf_hours: With ``"auto"``: the job's mean time between failures, if known; else observed from the run's
-            restarts in its goodput ledger, else a prior per GPU.
+            restarts in its goodput ledger, else a prior of 5.8 GPU-years per GPU.
         min_interval_s: With ``"auto"``: the shortest interval it may choose.
         max_interval_s: With ``"auto"``: the longest interval it may choose.
         warmup_steps: With ``"auto"``: the first save comes this many steps in, to measure what a save costs.

@@ -41,7 +41,8 @@ class HealthConfig:
             recovery-action field. XID and ECC events arrive without polling.
         signals: Signals taken as preemption (SLURM sends SIGTERM, and SIGUSR1 with ``--signal``).
         chain_signals: Also call the handler that was installed for a signal before.
-        fault_table: Overrides merged over the default table (see :mod:`resilience.health.faults`).
+        fault_table: Overrides merged over the default table, e.g. ``{"xid": {"13": "fatal"}}`` (see
+            :mod:`resilience.health.faults`).
         check_every_n_steps: Agree across ranks on steps that are multiples of this. Each check is one
             all-reduce of three int64 values on a gloo group; on very large jobs raise this.
         save_on_degraded: Also checkpoint when ranks agree on a degraded fault (training continues).
@@ -53,8 +54,8 @@ class HealthConfig:
         exit_timeout_s: After :meth:`HealthGuard.stop`, force the exit (``os._exit`` with the same code) if
             teardown or a non-daemon thread holds the process longer than this; a worker that never exits
             stops an elastic agent from ever restarting the group.
-        hang_factor: Warn when a step takes longer than this times the running median ...
-        hang_min_s: ... and longer than this many seconds.
+        hang_factor: Warn when a step takes longer than this times the running median (and ``hang_min_s``).
+        hang_min_s: Steps shorter than this many seconds are never a hang, whatever the median.
         hang_min_samples: Steps measured before the watchdog judges.
         hang_window: Steps in the running median.
         watchdog: Run the hang watchdog.

@@ -1,0 +1,148 @@
+"""Adapter classes' ``Args:`` sections, rendered from the engine configs' own documentation of each field.
+
+The framework adapters take the engine's settings as constructor arguments, and their users read those
+arguments' documentation from the class's ``__doc__`` (LightningCLI's ``--help`` through jsonargparse, Sphinx,
+``help()``). Written out again in each adapter, the same text drifted from the engine's meaning. Here an
+adapter names the config classes its arguments come from and writes only what differs for it (its own
+arguments, another default, another name); the section is rendered when the class is made, and an argument
+documented nowhere stops the import instead of showing blank in ``--help``. Nothing here imports a framework.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T", bound=type)
+_SECTION = re.compile(r"^(\s*)(Args|Attributes):\s*$")
+_ENTRY = re.compile(r"^(\w+)(?:\s*\([^)]*\))?:\s*(.*)$")
+WIDTH = 112  # the rendered docstring's lines; the class's indentation is not part of ``__doc__`` once rendered
+
+
+def field_docs(*sources: type) -> dict[str, str]:
+    """{field: text} from the Google-style ``Args:`` and ``Attributes:`` sections of ``sources``' docstrings.
+
+    A field documented by several sources takes the first one's text; each text is one line.
+    """
+    docs: dict[str, str] = {}
+    for source in sources:
+        for name, text in _parse(inspect.cleandoc(source.__doc__ or "")).items():
+            docs.setdefault(name, text)
+    return docs
+
+
+def _parse(doc: str) -> dict[str, str]:
+    entries: dict[str, list[str]] = {}
+    section_indent: int | None = None
+    entry_indent: int | None = None
+    current: list[str] = []
+    for line in doc.splitlines():
+        indent = len(line) - len(line.lstrip())
+        header = _SECTION.match(line)
+        if header:
+            section_indent, entry_indent = len(header.group(1)), None
+            continue
+        if section_indent is None or not line.strip():
+            continue
+        if indent <= section_indent:  # the section ended
+            section_indent = None
+            continue
+        entry = _ENTRY.match(line.strip())
+        if entry and (entry_indent is None or indent == entry_indent):
+            entry_indent = indent
+            current = entries.setdefault(entry.group(1), [])
+            current.append(entry.group(2))
+        else:
+            current.append(line.strip())
+    return {name: " ".join(" ".join(parts).split()) for name, parts in entries.items()}
+
+
+def parameters(cls: type) -> list[str]:
+    """The names ``cls(...)`` takes, in its signature's order (a dataclass's: its fields with ``init``)."""
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [name for name, item in inspect.signature(cls).parameters.items() if item.kind in plain]
+
+
+def render_args(
+    cls: type,
+    sources: tuple[type, ...],
+    own: Mapping[str, str] | None = None,
+    renamed: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
+    defaults: bool = False,
+) -> str:
+    """The ``Args:`` section of ``cls``: a text per parameter, from ``own`` (the adapter's own words, where its
+    meaning differs or the engine has no such field), else the sources' field of that name (``renamed``: the
+    parameter -> the field's name, which the engine's texts then call by the parameter's), then ``notes``
+    appended (e.g. a default the adapter fills in), then with ``defaults`` the parameter's default value.
+
+    Raises ValueError for a parameter with no text, and for ``own``, ``renamed`` or ``notes`` naming no parameter
+    (a parameter renamed or removed would leave stale text behind).
+    """
+    own, renamed, notes = dict(own or {}), dict(renamed or {}), dict(notes or {})
+    names = parameters(cls)
+    stale = sorted((set(own) | set(renamed) | set(notes)) - set(names))
+    if stale:
+        raise ValueError(f"{cls.__qualname__} documents {', '.join(stale)}, which it does not take")
+    docs = field_docs(*sources)
+    shown = _defaults(cls) if defaults else {}
+    lines = ["Args:"]
+    for name in names:
+        text = own.get(name) or docs.get(renamed.get(name, name))
+        if not text:
+            where = ", ".join(source.__qualname__ for source in sources) or "no engine config"
+            raise ValueError(
+                f"{cls.__qualname__}({name}=...) is documented nowhere: not in {where}, nor in the adapter's own "
+                "texts; document it there"
+            )
+        default = f"Default: {_shown(shown[name])}." if name in shown else ""
+        text = " ".join(f"{_renamed(text, renamed)} {notes.get(name, '')} {default}".split())
+        lines.append(
+            textwrap.fill(
+                text, WIDTH, initial_indent=f"    {name}: ", subsequent_indent=" " * 8, break_on_hyphens=False
+            )
+        )
+    return "\n".join(lines)
+
+
+def _defaults(cls: type) -> dict[str, object]:
+    """Each parameter's default that is a value: a dataclass field's ``metadata["default"]`` where it has one
+    (:func:`resilience.env_settings.setting`: its ``None`` means "from the environment"), else the signature's;
+    ``None`` and ``{}`` show none (the text says what they mean)."""
+    found = {name: item.default for name, item in inspect.signature(cls).parameters.items()}
+    for item in getattr(cls, "__dataclass_fields__", {}).values():
+        if "default" in item.metadata:
+            found[item.name] = item.metadata["default"]
+    return {name: value for name, value in found.items() if value not in (None, {}, inspect.Parameter.empty)}
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()  # as an environment variable takes it
+    return f"{value:g}" if isinstance(value, float) else f'``"{value}"``' if isinstance(value, str) else str(value)
+
+
+def _renamed(text: str, renamed: Mapping[str, str]) -> str:
+    """``text`` with the engine's names in its code literals (````local_root````) made the adapter's."""
+    adapter = {engine: name for name, engine in renamed.items()}
+    return re.sub(r"``.+?``", lambda code: re.sub(r"\w+", lambda word: adapter.get(word[0], word[0]), code[0]), text)
+
+
+def document(
+    *sources: type,
+    own: Mapping[str, str] | None = None,
+    renamed: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
+    defaults: bool = False,
+) -> Callable[[T], T]:
+    """Class decorator: ``__doc__`` becomes the class's own text followed by :func:`render_args`' section."""
+
+    def apply(cls: T) -> T:
+        intro = inspect.cleandoc(cls.__doc__ or "")
+        cls.__doc__ = f"{intro}\n\n{render_args(cls, sources, own, renamed, notes, defaults)}\n"
+        return cls
+
+    return apply

@@ -1,0 +1,82 @@
+"""The adapters' ``Args:`` sections, rendered from the engine configs (resilience.docstrings), document every
+argument, and the readers of ``__doc__`` (jsonargparse, so LightningCLI's ``--help``) see them."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from accelerate_resilience import ResiliencePlugin
+from lightning_resilience import (
+    AutoResume,
+    GoodputMonitor,
+    HealthGuardCallback,
+    PeriodicCheckpoint,
+    ResilientCheckpointIO,
+)
+from resilience.config import CheckpointConfig
+from resilience.docstrings import field_docs, parameters, render_args
+
+# The strategies take Lightning's own strategies' arguments (documented by Lightning), and ResilienceHandle is
+# made by attach(); these are the classes users configure the pack with.
+ADAPTER_CLASSES = [ResilientCheckpointIO, HealthGuardCallback, PeriodicCheckpoint, GoodputMonitor, AutoResume]
+
+
+@pytest.mark.parametrize("cls", [*ADAPTER_CLASSES, ResiliencePlugin], ids=lambda cls: cls.__name__)
+def test_every_argument_is_documented(cls: type) -> None:
+    documented = field_docs(cls)
+    missing = [name for name in parameters(cls) if len(documented.get(name, "")) < 10]
+    assert parameters(cls) and not missing, f"{cls.__name__}.__doc__ does not document {missing}"
+
+
+def test_texts_come_from_the_engine_and_the_adapter() -> None:
+    keep_last = field_docs(CheckpointConfig)["keep_last"]
+    assert field_docs(ResilientCheckpointIO)["keep_last"] == keep_last
+    assert field_docs(ResiliencePlugin)["keep_last"].startswith(keep_last)  # then the plugin's own default
+    # a renamed field: the engine's text, calling the field by the plugin's name
+    assert "``<local_dir>/step-<N>/``" in field_docs(ResiliencePlugin)["local_dir"]
+    assert "Default: 25." in field_docs(ResiliencePlugin)["grace_s"]
+    assert "Default:" not in field_docs(HealthGuardCallback)["grace_s"]  # its signature shows it
+
+
+def test_an_undocumented_argument_fails_the_render() -> None:
+    @dataclass
+    class Config:
+        """Engine settings.
+
+        Attributes:
+            size: How many.
+        """
+
+        size: int = 1
+
+    class Adapter:
+        def __init__(self, size: int = 1, colour: str = "red") -> None:
+            pass
+
+    with pytest.raises(ValueError, match=r"Adapter\(colour=\.\.\.\) is documented nowhere"):
+        render_args(Adapter, (Config,))
+    section = render_args(Adapter, (Config,), own={"colour": "The colour."})
+    assert section.splitlines() == ["Args:", "    size: How many.", "    colour: The colour."]
+    with pytest.raises(ValueError, match="documents shape, which it does not take"):
+        render_args(Adapter, (Config,), own={"colour": "The colour.", "shape": "The shape."})
+
+
+def test_jsonargparse_reads_the_rendered_docs() -> None:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(ResilientCheckpointIO, "io")
+    parser.add_class_arguments(HealthGuardCallback, "health")
+    text = " ".join(parser.format_help().split())
+    assert "How many newest committed checkpoints each tier keeps" in text  # CheckpointConfig's keep_last
+    assert "Steps shorter than this many seconds are never a hang" in text  # HealthConfig's hang_min_s
+    assert re.search(r"sync_names_below_mb .*A checkpoint with less tensor data", text)
+
+
+def test_the_class_text_stays() -> None:
+    doc = inspect.getdoc(ResilientCheckpointIO) or ""
+    assert doc.startswith("Saves Lightning checkpoints asynchronously") and "\nArgs:\n" in doc
