@@ -9,7 +9,6 @@ to it: that Trainer's loggers receive the pack's metrics and its hooks drive the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -39,7 +38,7 @@ from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
-from resilience.names import FILE, SHARDED, NameWriter, publish, resolve
+from resilience.names import FILE, SHARDED, NameWriter, publish, recorded_names, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
 from resilience.session import TrainingSession
@@ -150,9 +149,7 @@ class ResilientCheckpointIO(CheckpointIO):
                 # its names are DCP views of the step's shards, and a packed tensor has no DCP entry to point to
                 config = dataclasses.replace(config, pack_tensor_bytes=0)
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
-            if self._manager.rank == 0:
-                self._names = NameWriter(self._manager.local, allow_pickle=self.config.allow_pickle)
-                self._names.repair(self._manager.committed_steps())
+            self._names = repaired_writer(self._manager)
         return self._manager
 
     @property
@@ -249,11 +246,8 @@ class ResilientCheckpointIO(CheckpointIO):
 
     def resolve(self, path: str) -> tuple[int | None, str | None]:
         """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would)."""
-        names = self._names
-        if names is None:  # this process writes no names: read the record (other ranks look up steps in it)
-            with contextlib.suppress(OSError):
-                names = NameWriter(LocalTier(self.config.local_root), allow_pickle=self.config.allow_pickle)
-        return resolve(path, names, self.config.tiers())
+        record = self._names or recorded_names(self.config.local_root, allow_pickle=self.config.allow_pickle)
+        return resolve(path, record, self.config.tiers())
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the name (its file); the step stays until retention, which never deletes one mid-save."""

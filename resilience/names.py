@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resilience import catalog
 from resilience.export import METADATA_KEY, write_file_atomically, write_name
@@ -37,6 +37,9 @@ from resilience.layout import parse_step_dirname
 from resilience.save_handle import SaveHandle
 from resilience.storage import LocalTier, Tier
 from resilience.worker import Worker
+
+if TYPE_CHECKING:
+    from resilience.manager import CheckpointManager
 
 log = logging.getLogger(__name__)
 REGISTRY = "names.json"
@@ -242,6 +245,24 @@ class NameWriter:
             os.replace(tmp, self._path)
         except OSError as exc:  # a full disk must not stop training; names are written all the same
             log.warning("could not update %s: %s", self._path, exc)
+
+
+def repaired_writer(manager: CheckpointManager) -> NameWriter | None:
+    """Rank 0's writer for ``manager``'s run (None on the other ranks), with the names a dead process left
+    unwritten queued again at once."""
+    if manager.rank != 0:
+        return None
+    names = NameWriter(manager.local, allow_pickle=manager.config.allow_pickle)
+    names.repair(manager.committed_steps())
+    return names
+
+
+def recorded_names(local_root: str | os.PathLike[str], *, allow_pickle: bool) -> NameWriter | None:
+    """The names recorded under ``local_root``, for a process that writes none (other ranks look steps up in
+    it); None where the folder cannot be read."""
+    with contextlib.suppress(OSError):
+        return NameWriter(LocalTier(local_root), allow_pickle=allow_pickle)
+    return None
 
 
 def publish(
