@@ -26,18 +26,12 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_resilience.lightning_state import (
-    boundary_snapshot,
-    full_state,
-    is_weights_only,
-    merge_checkpoint,
-    saved_at_epoch_end,
-    split_checkpoint,
-)
+from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
+from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.names import FILE, SHARDED, NameWriter, publish, recorded_names, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng

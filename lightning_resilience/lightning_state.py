@@ -14,28 +14,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from resilience.formats.lightning_ckpt import (
-    LOADER_PATH,
-    as_name,
-    is_weights_only,
-    merge_checkpoint,
-    saved_at_epoch_end,
-    split_loaders,
-)
+from resilience.formats.lightning_ckpt import LOADER_PATH, split_loaders
 from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
 from resilience.session import SaveState
-
-__all__ = [
-    "as_name",
-    "boundary_snapshot",
-    "full_state",
-    "is_weights_only",
-    "logger_versions",
-    "merge_checkpoint",
-    "saved_at_epoch_end",
-    "split_checkpoint",
-]
 
 
 def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = None) -> SaveState:
