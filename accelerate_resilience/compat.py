@@ -16,10 +16,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 
-CHECKED_WITH = "1.15.0"
-LOWEST = "1.3.0"
-
-
 # ---- what the accelerator prepared (Accelerator._models, ._optimizers, ._schedulers, ._dataloaders,
 # ._custom_objects: lists filled by prepare() and register_for_checkpointing()) --------------------------------
 
