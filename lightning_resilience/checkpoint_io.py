@@ -28,6 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
+from resilience import env_settings as env
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
@@ -43,7 +44,6 @@ from resilience.tree import tensor_bytes
 log = logging.getLogger(__name__)
 ENGINE_LOGGERS = ("resilience", "lightning_resilience")
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
-_CONFIG_FIELDS = {item.name for item in dataclasses.fields(CheckpointConfig)}
 
 
 @document(
@@ -90,10 +90,8 @@ class ResilientCheckpointIO(CheckpointIO):
         persist: Persist = "process",
         survivor_saves: bool = True,
     ) -> None:
-        arguments = dict(locals())
-        settings = {name: value for name, value in arguments.items() if name in _CONFIG_FIELDS}
-        settings.update(local_root=LocalTier(local_root).root, storage_options=dict(storage_options or {}))
-        self.config = CheckpointConfig(**settings)
+        root, options = LocalTier(local_root).root, dict(storage_options or {})
+        self.config = env.pick(CheckpointConfig, locals(), local_root=root, storage_options=options)
         self.survivor_saves = survivor_saves
         if first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
             for tier in self.config.tiers():

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
+from resilience import env_settings as env
 from resilience.docstrings import document
 from resilience.health import EmergencySave, HealthConfig
 from resilience.session import TrainingSession
@@ -47,9 +48,7 @@ class HealthGuardCallback(SessionCallback):
         exit_timeout_s: float = 60.0,
         inject: str | None = None,
     ) -> None:
-        arguments = dict(locals())
-        settings = {name: value for name, value in arguments.items() if name != "self" and value is not None}
-        self.config = HealthConfig(**{**settings, "signals": tuple(signals)})  # None: HealthConfig's default
+        self.config = env.pick(HealthConfig, locals(), signals=tuple(signals))  # None: HealthConfig's default
         self.last_emergency: EmergencySave | None = None
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:

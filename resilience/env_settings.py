@@ -103,11 +103,13 @@ def fill_from_env(settings: Any, prefix: str) -> dict[str, str]:
 
 
 def pick(config: type[C], settings: Any, aliases: Mapping[str, str] | None = None, **given: Any) -> C:
-    """A ``config`` dataclass from ``given`` and the settings' fields of the same names (``aliases``: the config's
-    name -> the settings' name) that are set; what neither has keeps the config's default."""
+    """A ``config`` dataclass from ``given`` and the settings' fields (or a mapping's items: an adapter's
+    arguments) of the same names (``aliases``: the config's name -> the settings' name) that are set (not None);
+    what neither has keeps the config's default."""
     values = {}
     for item in fields(config):  # type: ignore[arg-type]
-        value = getattr(settings, (aliases or {}).get(item.name, item.name), None)
+        name = (aliases or {}).get(item.name, item.name)
+        value = settings.get(name) if isinstance(settings, Mapping) else getattr(settings, name, None)
         if item.init and value is not None:
             values[item.name] = value
     return config(**{**values, **given})
