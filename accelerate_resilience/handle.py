@@ -283,7 +283,7 @@ class ResilienceHandle:
         self._close(None)
 
     def _close(self, failure: BaseException | None) -> None:
-        if failure is not None and not isinstance(failure, (SystemExit, KeyboardInterrupt)):
+        if failure is not None:
             self.session.on_failure(failure)  # a lost peer: the survivors save and exit; else it goes on as it is
         if not self._closed:
             self._closed = True

@@ -88,8 +88,7 @@ class SessionCallback(Callback):
         session, self._session = self._session, None
         if session is None or session.ended:
             return
-        if not isinstance(exception, (SystemExit, KeyboardInterrupt)):
-            session.on_failure(exception)  # a lost peer: the survivors save and exit; else it goes on as it is
+        session.on_failure(exception)  # a lost peer: the survivors save and exit; else it goes on as it is
         session.end(exception, close_manager=False)
 
     @override

@@ -260,8 +260,13 @@ class TrainingSession:
 
     def on_failure(self, error: BaseException) -> None:
         """The adapter saw ``error`` leave the training loop. If peers are lost, the survivors save and the process
-        exits with the restart code; otherwise nothing happens and the error goes on as it is."""
-        if self.peer_watch is None or not self.started or self.ended:
+        exits with the restart code; otherwise (and for an exit or Ctrl-C) nothing happens and the error goes on."""
+        if (
+            self.peer_watch is None
+            or not self.started
+            or self.ended
+            or isinstance(error, (SystemExit, KeyboardInterrupt))
+        ):
             return
         if self.peer_watch.after_failure(error) is not None:
             self._record_peer_loss()
