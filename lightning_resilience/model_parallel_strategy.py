@@ -46,6 +46,7 @@ class ResilientModelParallelStrategy(EveryRankSaves, ModelParallelStrategy):
     """
 
     strategy_name = "resilient_model_parallel"
+    description = "ModelParallelStrategy (FSDP2, tensor parallel) whose sharded saves are async and committed"
     name_layout = SHARDED
 
     def __init__(
@@ -102,14 +103,6 @@ class ResilientModelParallelStrategy(EveryRankSaves, ModelParallelStrategy):
         for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=True):
             set_optimizer_state_dict(model, optimizer, state)
         return checkpoint
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="ModelParallelStrategy (FSDP2, tensor parallel) whose sharded saves are async and committed",
-        )
 
 
 ResilientModelParallelStrategy.register_strategies(StrategyRegistry)

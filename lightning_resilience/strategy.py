@@ -28,7 +28,13 @@ class EveryRankSaves:
 
     saves_on_every_rank = True  # what ResilientCheckpointIO checks before a collective save
     name_layout = FILE
+    strategy_name: str
+    description: str  # what Lightning's strategy registry lists
     _checkpoint_io: Any
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=cls.description)
 
     @property
     def checkpoint_io(self) -> ResilientCheckpointIO:
@@ -62,6 +68,7 @@ class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):
     """
 
     strategy_name = "resilient_ddp"
+    description = "DDP whose checkpoint saves are async and written by every rank"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("start_method", "popen") != "popen":
@@ -73,9 +80,7 @@ class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DDP whose checkpoint saves are async and written by every rank"
-        )
+        super().register_strategies(strategy_registry)
         strategy_registry.register(
             "resilient_ddp_find_unused_parameters_true",
             cls,
