@@ -35,6 +35,8 @@ def field_docs(*sources: type) -> dict[str, str]:
 
 
 def _parse(doc: str) -> dict[str, str]:
+    """The entries of a cleaned docstring's sections: ``name: text`` at the first entry's indentation, and the
+    deeper lines after it (a continuation that looks like an entry is still a continuation)."""
     entries: dict[str, list[str]] = {}
     section_indent: int | None = None
     entry_indent: int | None = None
@@ -126,7 +128,8 @@ def _shown(value: object) -> str:
 
 
 def _renamed(text: str, renamed: Mapping[str, str]) -> str:
-    """``text`` with the engine's names in its code literals (````local_root````) made the adapter's."""
+    """``text`` with the engine's field names in its code literals (as in ``<local_root>/step-<N>/``) made the
+    adapter's."""
     adapter = {engine: name for name, engine in renamed.items()}
     return re.sub(r"``.+?``", lambda code: re.sub(r"\w+", lambda word: adapter.get(word[0], word[0]), code[0]), text)
 
