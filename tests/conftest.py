@@ -7,6 +7,12 @@ import pytest
 
 from tests.helpers import S3_ENV, MotoServer
 
+FAST_EXIT = os.path.join(os.path.dirname(__file__), "fast_exit")
+# every process the tests start (workers, launchers and the ranks they start) exits without the interpreter's
+# last garbage collections: see tests/fast_exit/sitecustomize.py
+if FAST_EXIT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [FAST_EXIT, os.environ.get("PYTHONPATH")]))
+
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
