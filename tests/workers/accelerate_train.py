@@ -29,7 +29,6 @@ import dataclasses
 import json
 import os
 import random
-import signal
 import sys
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_resilience import ResilienceHandle, ResumePoint, attach, compat
+from tests.workers.victim import die_after_boundary
 
 EPOCHS = 3
 SAMPLES = 40
@@ -133,8 +133,7 @@ def train(
             if resilience.should_stop():  # all ranks agreed on a stop; this step is saved already
                 return
             if resilience.global_step == victim_step and accelerator.process_index == victim:
-                time.sleep(0.2)  # the boundary's state reaches the others first, as in a real forward pass
-                os.kill(os.getpid(), signal.SIGKILL)
+                die_after_boundary(resilience.session, victim_step)
             scale = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
             loss = F.mse_loss(job.model(x), y) * scale
             accelerator.backward(loss)

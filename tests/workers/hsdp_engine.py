@@ -14,8 +14,6 @@ rank 3) and exit 75; ``resume`` loads the newest checkpoint and trains on.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from resilience.session import IntervalConfig, SaveState, TrainingSession
 from resilience.survivors import holders, share_among
 from resilience.tree import flatten
 from tests.workers.reliability_reshard import assert_same, full_state, restore, sharded_state, train_step
+from tests.workers.victim import die_after_boundary
 
 
 def build(world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -75,7 +74,7 @@ def session_run(mode: str, root: Path, model: torch.nn.Module, opt: torch.optim.
         while step < STEPS:
             session.step_begin(step)
             if mode == "kill" and step == 6 and rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+                die_after_boundary(session, step)
             train_step(model, opt, step)
             step += 1
             if session.step_end(step).saved is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, ResilientCheckpointIO, ResilientModelParallelStrategy
+from tests.workers.victim import die_after_boundary
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -77,8 +77,8 @@ class Record(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step == self.args.lose_rank_1_at and trainer.global_rank == 1:
-            time.sleep(0.2)  # the boundary's state reaches the other ranks first, as in a real forward pass
-            os.kill(os.getpid(), signal.SIGKILL)
+            assert self.io is not None
+            die_after_boundary(self.io.session, trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step in self.args.snapshot_at:

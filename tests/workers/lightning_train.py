@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
+from tests.workers.victim import die_after_boundary
 
 
 class KillAfter(pl.Callback):
@@ -44,8 +45,7 @@ class Victim(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            time.sleep(0.2)  # the boundary's state reaches the other ranks first, as in a real forward pass
-            os.kill(os.getpid(), self.signal)
+            die_after_boundary(trainer.strategy.checkpoint_io.session, self.step, self.signal)
 
 
 class Sleep(pl.Callback):

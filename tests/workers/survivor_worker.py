@@ -35,6 +35,7 @@ from resilience.health import HealthConfig
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import capture_rng
 from resilience.session import IntervalConfig, SaveState, TrainingSession
+from tests.workers.victim import die_after_boundary
 
 STEPS = 12
 
@@ -80,7 +81,7 @@ def main() -> None:
             session.step_begin(step)
             time.sleep(0.05)  # the forward pass
             if scenario in ("kill", "stop") and step == 6 and rank == victim:
-                os.kill(os.getpid(), signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
+                die_after_boundary(session, step, signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
             noise = torch.randn(256)  # this rank's stream: a wrongly restored RNG shows in the weights
             grad = noise + weight.detach()
             dist.all_reduce(grad)  # DDP's gradient all-reduce: where a lost peer shows
