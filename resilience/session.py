@@ -337,7 +337,19 @@ class TrainingSession:
         """
         self._restore_began = time.perf_counter()
         restored = self.manager.load(target, step=step, leave_out=leave_out)
-        if restored is None or restored.manifest.world_size == self.manager.world_size:
+        if restored is None:
+            return None
+        if restored.manifest.world_size == self.manager.world_size:
+            lost = (restored.manifest.extra.get("survivor_save") or {}).get("lost", [])
+            if restored.rank_state is None and self.manager.rank in lost:
+                # a rank lost before its heartbeat wrote its state of this boundary (docs/HEALTH.md)
+                log.warning(
+                    "rank %d: step %d was saved by the survivors after this rank was lost, without its own "
+                    "state of that step: %s starts afresh, so this rank's part of the run will not repeat exactly",
+                    self.manager.rank,
+                    restored.step,
+                    per_rank,
+                )
             return restored
         if self.is_main:
             log.warning(

@@ -93,6 +93,31 @@ def test_a_rank_killed_mid_step_loses_nothing_the_survivors_hold(
     resume_and_compare(tmp_path, reference, 6)
 
 
+def test_a_rank_lost_before_its_boundary_state_was_written_resumes_and_says_so(
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]
+) -> None:
+    """The window docs/HEALTH.md describes: rank 1 dies after step 6's boundary but before its heartbeat thread
+    wrote its own state of it. The survivors still commit step 6, without rank 1's state, and say so; on the
+    relaunch every rank resumes step 6, rank 1 says that its own state starts afresh, and its RNG stream does
+    (so the run is no longer the uninterrupted one)."""
+    results = run_ranks(WORKER, ["unpublished", str(tmp_path)], WORLD, timeout=180, env={"TEST_VICTIM": "1"})
+    codes = {r.rank: r.returncode for r in results}
+    outputs = "\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in results)
+    assert codes == {0: EXIT_PEER_LOST, 1: -signal.SIGKILL, 2: EXIT_PEER_LOST}, outputs
+    assert "rank 1 left no state of step 6" in outputs
+    body = manifest(tmp_path, 6)
+    assert body["extra"]["survivor_save"] == {"saved_by": [0, 2], "lost": [1]}  # type: ignore[index]
+    files = {f["path"] for f in body["files"]}  # type: ignore[index]
+    assert {"rank-0.json", "rank-2.json"} <= files and "rank-1.json" not in files
+    results = check_ranks(run_ranks(WORKER, ["resume", str(tmp_path)], WORLD, timeout=240))
+    for result in results:
+        resumed = json.loads(result.output.split("RESUMED ", 1)[1].splitlines()[0])
+        assert resumed["step"] == 6 and resumed["own"] == (result.rank != 1), result.output[-3000:]
+        said = "rank 1: step 6 was saved by the survivors after this rank was lost" in result.output
+        assert said == (result.rank == 1), result.output[-3000:]
+    assert not torch.equal(final(tmp_path), reference[0]), "rank 1's RNG did not start afresh"
+
+
 @pytest.mark.slow  # a SIGSTOPped rank: also run through the real Trainer (test_lightning.py)
 def test_a_stopped_rank_is_saved_around_from_the_watchdog(
     tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]

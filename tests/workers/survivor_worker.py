@@ -9,6 +9,8 @@ rank's own state can be told apart. Scenarios:
   themselves and exit 75.
 * ``stop``: the victim SIGSTOPs itself there instead; the others are stuck in the all-reduce until the hang
   watchdog (with its liveness check) has them save and exit.
+* ``unpublished``: like ``kill``, but the victim dies before its state of step 6 (RNG, marks) was written: the
+  survivors commit step 6 without it.
 * ``sick``: a drill injects XID 79 on the victim at step 6 (``RESILIENCE_INJECT``): every rank saves step 6, the
   victim's GPU unread, and exits 69.
 * ``sharded``: the same with part of the state an FSDP-style shard that only its rank holds: the save stands
@@ -73,15 +75,24 @@ def main() -> None:
         optimizer.load_state_dict(restored.state["optim"])
         step = restored.step
         session.restored(restored)
-        marks["mark"] = restored.rank_state["marks"]["mark"].clone()
-        print("RESUMED", json.dumps({"step": step, "mark": int(marks["mark"])}), flush=True)
+        own = restored.rank_state  # None: lost before its state of that step was written ("unpublished")
+        if own is not None:
+            marks["mark"] = own["marks"]["mark"].clone()
+        print("RESUMED", json.dumps({"step": step, "mark": int(marks["mark"]), "own": own is not None}), flush=True)
     session.start(step)
+    if scenario == "unpublished" and rank == victim:  # its heartbeat thread never gets to write step 6's state
+        assert session.peer_watch is not None
+        liveness = session.peer_watch.liveness
+        publish = liveness.publish
+        liveness.publish = lambda at, state: publish(at, state) if at < 6 else None  # type: ignore[method-assign]
     try:
         while step < STEPS:
             session.step_begin(step)
             time.sleep(0.05)  # the forward pass
             if scenario in ("kill", "stop") and step == 6 and rank == victim:
                 die_after_boundary(session, step, signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
+            if scenario == "unpublished" and step == 6 and rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
             noise = torch.randn(256)  # this rank's stream: a wrongly restored RNG shows in the weights
             grad = noise + weight.detach()
             dist.all_reduce(grad)  # DDP's gradient all-reduce: where a lost peer shows
