@@ -71,9 +71,10 @@ def wait_for_exits(procs: list[subprocess.Popen[str]], ranks: list[int], timeout
     return {r: int(procs[r].returncode) for r in ranks}
 
 
-# rank 0's case: rarely (2 of 4 full runs under load, never alone) a survivor did not exit 75; marked slow until
-# its cause is found (the assertion now prints every rank's output)
-@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["rank-1", "rank-0"])
+# rank 0's case (it hosts the job's stores) was marked slow after it failed in 2 of 4 full runs under load; since the
+# victims die once their boundary state is written (tests/workers/victim.py) it passed 8 of 8 here, 4 of them with
+# three other multi-process tests beside it
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank-1", "rank-0"])
 def test_a_rank_killed_mid_step_loses_nothing_the_survivors_hold(
     tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]], victim: int
 ) -> None:
