@@ -124,8 +124,14 @@ class PeerLossWatch:
 
     def after_failure(self, error: BaseException | None) -> SurvivorOutcome | None:
         """A collective failed (or never returned): if peers are lost, the survivors save. None: nobody is lost."""
-        if not self._rescuing.acquire(blocking=False):
-            return self.outcome
+        # The hang rescue and the training thread (whose collective fails once the lost rank's sockets close, or
+        # its communicator is aborted) can both get here; the second waits for the first's answer rather than let
+        # its error end the process in the middle of that save, with an exit code no launcher restarts on. A thread
+        # that finds a lost peer keeps the lock: it saves and exits the process.
+        deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s + self.config.grace_s + 5.0
+        while not self._rescuing.acquire(timeout=0.05):
+            if self.outcome is not None or time.monotonic() > deadline:
+                return self.outcome
         # A collective fails as soon as the lost peer's sockets close, which in the kernel comes before its process
         # is seen as gone; its heartbeat then still looks fresh. Give it until the heartbeat would be stale.
         deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s

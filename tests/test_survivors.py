@@ -12,6 +12,7 @@ import io
 import json
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -163,3 +164,39 @@ def test_state_only_the_sick_rank_holds_makes_the_save_stand_down(tmp_path: Path
     assert committed(tmp_path) == [4], "nothing but the last regular save"
     assert all("stands down" in r.output for r in results)
     assert "'shard'" in results[1].output  # the sick rank names what only it holds
+
+
+def test_a_second_thread_meeting_the_lost_peer_waits_for_the_first_ones_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hang rescue saves from its own thread while the training thread is stuck in a collective; if that
+    collective then fails (the stopped rank is killed, a communicator is aborted), the training thread must wait for
+    the rescue's outcome, not let its error end the process mid-save with an exit code no launcher restarts on."""
+    from resilience import CheckpointConfig, CheckpointManager
+    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.survivors import SurvivorOutcome
+
+    calls: list[int] = []
+
+    def slow_save(manager: object, *, step: int, **_: object) -> SurvivorOutcome:
+        calls.append(step)
+        time.sleep(1.0)
+        return SurvivorOutcome(step, True, [0], [1])
+
+    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+    with CheckpointManager(CheckpointConfig(tmp_path, persist="thread")) as manager:
+        watch = PeerLossWatch(manager, PeerLossConfig(), lambda step: BoundarySnapshot(step, {}, dict))
+        try:
+            monkeypatch.setattr(watch.liveness, "lost", lambda stale_s: {1})
+            watch.at_boundary(6)
+            outcomes: dict[str, SurvivorOutcome | None] = {}
+            rescue = threading.Thread(target=lambda: outcomes.update(rescue=watch.after_failure(None)))
+            rescue.start()
+            time.sleep(0.2)  # the rescue is saving
+            outcomes["training"] = watch.after_failure(RuntimeError("Connection closed by peer"))
+            rescue.join()
+        finally:
+            watch.close()
+    assert calls == [6], "one save, by the first thread"
+    assert outcomes["training"] is outcomes["rescue"] and outcomes["rescue"] is not None
+    assert outcomes["rescue"].committed
