@@ -185,6 +185,8 @@ class TrainingSession:
         self.boundary = boundary or self._boundary_from_state
         self.peer_loss: PeerLossConfig | None = None
         self.peer_watch: PeerLossWatch | None = None
+        self._peer_loss_lock = threading.Lock()  # the rescue and the training thread may both report it: once
+        self._peer_loss_recorded = False
         self.rank = manager.rank
         self.is_main = manager.rank == 0 if is_main is None else is_main
         self.sinks: list[MetricsSink] = []
@@ -277,7 +279,10 @@ class TrainingSession:
         outcome = self.peer_watch.outcome
         what = f"rank(s) {outcome.lost} lost"
         state = "committed" if outcome.committed else f"not committed: {outcome.reason}"
-        if self.ledger is not None:
+        with self._peer_loss_lock:  # the second thread waits here until the first wrote it, then exits with it
+            if self._peer_loss_recorded or self.ledger is None:
+                return
+            self._peer_loss_recorded = True
             self.ledger.fault(what, outcome.step)
             self.ledger.emergency(outcome.seconds, f"survivor save of step {outcome.step}")
             self.ledger.end(f"stopped, exit code {self.peer_watch.config.exit_code}: {what}; survivor save {state}")

@@ -200,3 +200,43 @@ def test_a_second_thread_meeting_the_lost_peer_waits_for_the_first_ones_save(
     assert calls == [6], "one save, by the first thread"
     assert outcomes["training"] is outcomes["rescue"] and outcomes["rescue"] is not None
     assert outcomes["rescue"].committed
+
+
+def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread that waited for the other's survivor save reports the same outcome; the ledger gets one fault
+    and one end, and both threads leave through the exit (a no-op here: it would end the process)."""
+    from resilience import CheckpointConfig, CheckpointManager
+    from resilience.goodput import summarize
+    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.session import GoodputConfig, SaveState, TrainingSession
+    from resilience.survivors import SurvivorOutcome
+
+    def slow_save(manager: object, *, step: int, **_: object) -> SurvivorOutcome:
+        time.sleep(1.0)
+        return SurvivorOutcome(step, True, [0], [1], seconds=1.0)
+
+    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+    exits: list[str] = []
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt", persist="thread")) as manager:
+        session = TrainingSession(manager, lambda step: SaveState({"w": torch.zeros(2)}, None, {}))
+        session.use_goodput(GoodputConfig(str(tmp_path), span_s=0))
+        session.start(0)
+        watch = PeerLossWatch(manager, PeerLossConfig(), lambda step: BoundarySnapshot(step, {}, dict))
+        session.peer_watch = watch
+        monkeypatch.setattr(watch.liveness, "lost", lambda stale_s: {1})
+        monkeypatch.setattr(watch, "exit", lambda: exits.append(threading.current_thread().name))
+        watch.at_boundary(6)
+        failure = RuntimeError("Connection closed by peer")
+        other = threading.Thread(target=session.on_failure, args=(failure,), name="first")
+        other.start()
+        time.sleep(0.2)
+        session.on_failure(failure)
+        other.join()
+        watch.close()
+    assert sorted(exits) == ["MainThread", "first"]
+    (incarnation,) = summarize(tmp_path).incarnations
+    faults = [event for event in incarnation.events if event["e"] == "fault"]
+    assert [(event["step"], event["reason"]) for event in faults] == [(6, "rank(s) [1] lost")], faults
+    assert incarnation.end_reason is not None and incarnation.end_reason.startswith("stopped, exit code 75")
