@@ -180,7 +180,8 @@ class HelperPipeline:
         self.errors: list[CheckpointError] = []
         self.died: str | None = None
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._send_lock = threading.Lock()  # also orders a kill with the connection: see kill()
+        self._killed = False
         self._handles: dict[int, SaveHandle] = {}
         self._sent_buffers: dict[str, tuple[str | None, str, tuple[int, ...]]] = {}
         self._closed = threading.Event()
@@ -222,11 +223,16 @@ class HelperPipeline:
         return not self._reader.is_alive()
 
     def kill(self) -> None:
-        """End the helper now (its saves fail); for a restart after a helper of another rank died."""
-        self._connected.wait(CONNECT_TIMEOUT_S)
-        if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+        """End the helper now (its saves fail); for a restart after a helper of another rank died, or a survivor
+        save. A helper still starting is not waited for (that can take seconds): it is ended as it connects,
+        before it is sent any work."""
+        with self._send_lock:
+            self._killed = True
+            pid = self.pid
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         self._reader.join(10.0)
 
     def discard_error(self, error: BaseException) -> None:
@@ -277,9 +283,9 @@ class HelperPipeline:
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._connected.wait(CONNECT_TIMEOUT_S)
-        if self._conn is None:
-            raise OSError("no checkpoint helper process")
         with self._send_lock:
+            if self._conn is None or self._killed:
+                raise OSError("no checkpoint helper process")
             self._conn.send(message)
 
     # ---- receiving ---------------------------------------------------------------------------------------------
@@ -291,7 +297,11 @@ class HelperPipeline:
             kind, pid = conn.recv()
             if kind != "ready":
                 raise CheckpointError(f"the checkpoint helper answered {kind!r} instead of 'ready'")
-            self.pid, self._conn = pid, conn
+            with self._send_lock:
+                self.pid, self._conn, killed = pid, conn, self._killed
+            if killed:  # ended while it started: it goes before anything was sent to it
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         except Exception as exc:
             self._connected.set()
             self._helper_died(f"the checkpoint helper process could not be started: {describe(exc)}")
