@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
+from accelerate.state import AcceleratorState, GradientState
+
+from resilience import inplace
 
 # ---- what the accelerator prepared (Accelerator._models, ._optimizers, ._schedulers, ._dataloaders,
 # ._custom_objects: lists filled by prepare() and register_for_checkpointing()) --------------------------------
@@ -48,6 +51,17 @@ def is_fsdp2(accelerator: Accelerator) -> bool:
 def has_save_state_hooks(accelerator: Accelerator) -> bool:
     """Whether ``register_save_state_pre_hook`` was used (``Accelerator._save_model_state_pre_hook``)."""
     return bool(accelerator._save_model_state_pre_hook)
+
+
+def forget_state() -> None:
+    """Accelerate's process-wide singletons (``AcceleratorState``, ``PartialState``, ``GradientState``: shared
+    ``_shared_state`` dicts, cleared by their private ``_reset_state``) describe a process group: a script run
+    again in place (:mod:`resilience.inplace`) must make them anew over the next generation's group."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+inplace.before_next_generation(forget_state)
 
 
 # ---- the prepared training loader (DataLoaderShard) -------------------------------------------------------

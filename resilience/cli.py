@@ -329,7 +329,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--plot", metavar="FILE.png", help="also write a timeline picture (needs matplotlib)")
     report.set_defaults(func=cmd_report)
 
+    launch = sub.add_parser(
+        "launch",
+        help="run a training script's ranks on this node, replacing a lost rank in place (exits with the job's code)",
+    )
+    from resilience.launcher import add_arguments
+
+    add_arguments(launch)
+    launch.set_defaults(func=cmd_launch)
+
     return parser
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from resilience.launcher import launch
+
+    return launch(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

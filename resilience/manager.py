@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread  # imported before our exit hook is registered: see _register_exit_hook
+import contextlib
 import functools
 import logging
 import os
@@ -31,7 +32,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from resilience import catalog, packing
+from resilience import catalog, inplace, packing
 from resilience.config import CheckpointConfig, WhenBusy
 from resilience.dist import Groups, node_identity
 from resilience.errors import (
@@ -842,6 +843,32 @@ class CheckpointManager:
             log.warning("checkpoint threads did not finish within %ss; they are left to the process exit", timeout)
         self._raise_pending()
 
+    def abandon(self) -> None:
+        """Close at once, with no collective and no wait for the background: for a process that goes on after its
+        peers were lost (:mod:`resilience.inplace`), when what is in flight can never finish (the helper is
+        ended, its saves fail) and the groups are broken. A survivor save has committed what could be."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        if self._staging is not None:
+            with contextlib.suppress(Exception):  # a copy into host memory: local, it ends
+                self._staging.release_source()
+            self._staging = None
+        self._disarm_staging_barrier()
+        if isinstance(self.pipeline, HelperPipeline):
+            if not self._resting:
+                self.pipeline.kill()
+        else:
+            self.pipeline.close(0)  # writer threads stuck in a collective with a lost rank are left to fail
+        self._stager.close()
+        if self.owner is not None:
+            if self.is_local_leader:
+                with contextlib.suppress(OSError):
+                    self._owners.unregister(self.owner)
+            self.owner.release()
+        self.pipeline.take_errors()  # the saves that could not finish are the survivor save's to replace
+
     def pending_steps(self) -> list[int]:
         """Steps saved by this manager whose local commit or upload has not ended yet."""
         return sorted(s for s, h in self._handles.items() if not (h.committed.done() and h.durable.done()))
@@ -858,6 +885,15 @@ def _steps_text(steps: list[int]) -> str:
 
 
 _OPEN: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _abandon_open() -> None:
+    """Before a restart in place: the generation's engines still open are closed without collectives."""
+    for manager in list(_OPEN):
+        manager.abandon()
+
+
+inplace.before_next_generation(_abandon_open)
 
 
 @functools.cache

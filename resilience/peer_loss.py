@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from resilience import inplace
 from resilience.errors import ConfigError
 from resilience.liveness import Liveness
 from resilience.survivors import SurvivorOutcome, survivor_save
@@ -167,7 +168,18 @@ class PeerLossWatch:
         return self.outcome
 
     def exit(self) -> None:
-        """Leave now, with the code the launcher restarts on: collectives with the lost rank can hang teardown."""
+        """Leave now, with the code the launcher restarts on: collectives with the lost rank can hang teardown.
+
+        Under ``resilience launch`` the process stays: the error unwinds the framework's loop as any error does,
+        and the script runs again once the lost rank is replaced (:mod:`resilience.inplace`)."""
+        if inplace.active():
+            outcome = self.outcome
+            inplace.request(
+                f"survivor save of step {outcome.step} {'committed' if outcome.committed else 'not committed'}"
+                if outcome is not None
+                else "a peer was lost"
+            )
+            return
         log.warning("rank %d: exiting with code %d after losing a peer", self.manager.rank, self.config.exit_code)
         sys.stdout.flush()
         sys.stderr.flush()

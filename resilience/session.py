@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn, TypeVar
 
-from resilience import rng
+from resilience import inplace, rng
 from resilience.config import WhenBusy
 from resilience.errors import ConfigError
 from resilience.goodput import (
@@ -255,8 +255,14 @@ class TrainingSession:
         stuck_at = self.last_step
         deadline = time.monotonic() + 2 * watch.config.stale_s
         while time.monotonic() < deadline and self.last_step == stuck_at and not self.ended:
-            if watch.after_failure(None) is not None:
+            outcome = watch.after_failure(None)
+            if outcome is not None:
                 self._record_peer_loss()
+                if inplace.active():
+                    # the training thread stays stuck in its collective until the lost ranks' processes are gone:
+                    # the launcher ends them, the collective fails, and the training thread unwinds to the restart
+                    inplace.evict(outcome.lost)
+                    return
                 watch.exit()
             time.sleep(watch.config.heartbeat_s)
 
@@ -280,12 +286,16 @@ class TrainingSession:
         what = f"rank(s) {outcome.lost} lost"
         state = "committed" if outcome.committed else f"not committed: {outcome.reason}"
         with self._peer_loss_lock:  # the second thread waits here until the first wrote it, then exits with it
-            if self._peer_loss_recorded or self.ledger is None:
+            if self._peer_loss_recorded:
                 return
             self._peer_loss_recorded = True
+            if self.ledger is None:
+                return
             self.ledger.fault(what, outcome.step)
             self.ledger.emergency(outcome.seconds, f"survivor save of step {outcome.step}")
-            self.ledger.end(f"stopped, exit code {self.peer_watch.config.exit_code}: {what}; survivor save {state}")
+            code = self.peer_watch.config.exit_code
+            then = "restarting in place" if inplace.active() else f"stopped, exit code {code}"
+            self.ledger.end(f"{then}: {what}; survivor save {state}")
 
     def use_peer_loss(self, config: PeerLossConfig) -> None:
         """Survivor saves when a rank dies or hangs (effective from :meth:`start`, with a shared local tier)."""
@@ -729,7 +739,9 @@ class TrainingSession:
         start = time.perf_counter()
         error: BaseException | None = None
         try:
-            if failure is not None and not isinstance(failure, str):
+            if self._peer_loss_recorded and inplace.requested():
+                self.manager.abandon()  # the process goes on without its lost peers: nothing in flight can finish
+            elif failure is not None and not isinstance(failure, str):
                 # training failed: the last saves get a bounded wait (a peer may be gone), and so does the exit
                 self.manager.exit_timeout_s = FAILED_EXIT_WAIT_S
                 if not self.manager.drain(FAILED_DRAIN_S):

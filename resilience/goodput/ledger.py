@@ -51,15 +51,24 @@ def process_start_time() -> float | None:
         return None
 
 
-_process_accounted = False  # whether a ledger of this process already counted the process's start-up
+_UNACCOUNTED = "unaccounted"
+_process_accounted: str | None = _UNACCOUNTED  # the generation whose start-up a ledger of this process counted
 
 
 def incarnation_start() -> float | None:
     """Where a new incarnation's account begins: at the process's start for the first ledger of a process (the
-    interpreter and imports count as startup), now for a later one (a second ``fit()`` in the same process)."""
+    interpreter and imports count as startup), now for a later one (a second ``fit()`` in the same process).
+
+    Under ``resilience launch`` a process may begin a generation later than it started (a warm spare given a
+    rank, a survivor running its script again): its first ledger of a generation begins then."""
     global _process_accounted
-    first, _process_accounted = not _process_accounted, True
-    return process_start_time() if first else time.time()
+    generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.inplace.ENV_GENERATION
+    first, _process_accounted = _process_accounted != generation, generation
+    if not first:
+        return time.time()
+    began = float(os.environ.get("RESILIENCE_GENERATION_BEGAN") or 0.0)  # resilience.inplace.ENV_BEGAN
+    started = process_start_time()
+    return max(began, started) if started is not None else (began or None)
 
 
 class GoodputLedger:

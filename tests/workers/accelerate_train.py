@@ -8,9 +8,9 @@ this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain 
 TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_PREEMPT_AT (the first elastic
 attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
 loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
-after STEP begins; the other's survivor save follows from the failed all-reduce), TRAIN_FSDP2 (1: Accelerate's
-FSDP2, ``fsdp_version=2``; the final states are then gathered to full tensors, and OUT_DIR/restored-rank<R>.pt
-holds the state just resumed). Each rank also records the ``every_n_steps="auto"`` plans it followed, and the
+after STEP begins, in the first generation only under ``resilience launch``; the other's survivor save follows
+from the failed all-reduce), TRAIN_FSDP2 (1: Accelerate's FSDP2, ``fsdp_version=2``; the final states are then
+gathered to full tensors, and OUT_DIR/restored-rank<R>.pt holds the state just resumed). Each rank also records the ``every_n_steps="auto"`` plans it followed, and the
 step at which it got each.
 
 Accelerate 1.15 turns FSDP on only for GPU-class distributed types (``AcceleratorState`` leaves ``MULTI_CPU``, what
@@ -127,6 +127,8 @@ def train(
     accelerator = job.accelerator
     loader = resilience.timed(job.loader) if timed else job.loader
     victim, victim_step = (int(v) for v in os.environ.get("TRAIN_VICTIM", "-1:-1").split(":"))
+    if os.environ.get("RESILIENCE_GENERATION", "0") != "0":
+        victim = -1  # a rank replaced in place (resilience launch) does not die again
     for epoch in range(point.epoch, EPOCHS):
         batches = accelerator.skip_first_batches(loader, point.batches_to_skip) if epoch == point.epoch else loader
         for indices, x, y in batches:

@@ -44,7 +44,8 @@ class Victim(pl.Callback):
         self.rank, self.step, self.signal = rank, step, signal.SIGKILL if how == "kill" else signal.SIGSTOP
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+        first = os.environ.get("RESILIENCE_GENERATION", "0") == "0"  # a replacement in place does not die again
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and first:
             die_after_boundary(trainer.strategy.checkpoint_io.session, self.step, self.signal)
 
 
