@@ -281,6 +281,7 @@ class GoodputLedger:
                 index += 1
         self.path = path
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.inplace.ENV_GENERATION
         self._write(
             {
                 "e": "start",
@@ -291,6 +292,7 @@ class GoodputLedger:
                 "host": socket.gethostname(),
                 "rank": self.rank,
                 "restart_count": int(restarts) if restarts and restarts.isdigit() else None,
+                "generation": int(generation) if generation and generation.isdigit() else None,
             }
         )
         self._sync()

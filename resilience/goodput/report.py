@@ -8,7 +8,7 @@ import time
 
 from resilience.goodput.summary import LABELS, RECOVERY_PARTS, GoodputSummary, Incarnation, summarize
 
-RECOVERY_HEADS = ("START-UP", "LIST", "VERIFY", "READ", "IN PLACE", "FIRST STEP")  # RECOVERY_PARTS'
+RECOVERY_HEADS = ("START-UP", "LIST", "VERIFY", "READ", "INTO MODEL", "FIRST STEP")  # RECOVERY_PARTS'
 
 
 def duration(seconds: float) -> str:
@@ -71,16 +71,20 @@ def render_table(summary: GoodputSummary) -> str:
     restarts = summary.incarnations[1:]
     if restarts:
         lines += ["", "Recovery per restart, from the previous incarnation's last record to the first step done:"]
-        lines.append(f"{'#':>3}  {'DOWN':>8}  " + "  ".join(f"{h:>9}" for h in RECOVERY_HEADS) + f"  {'TOTAL':>8}")
+        heads = "  ".join(f"{h:>10}" for h in RECOVERY_HEADS)
+        lines.append(f"{'#':>3}  {'HOW':<8}  {'DOWN':>8}  {heads}  {'TOTAL':>8}")
         for inc in restarts:
-            parts = "  ".join(f"{duration(inc.recovery.get(part, 0.0)):>9}" for part in RECOVERY_PARTS)
+            parts = "  ".join(f"{duration(inc.recovery.get(part, 0.0)):>10}" for part in RECOVERY_PARTS)
             lines.append(
-                f"{inc.index:>3}  {duration(inc.downtime_before_s):>8}  {parts}  {duration(inc.recovery_s):>8}"
+                f"{inc.index:>3}  {inc.restart or '':<8}  {duration(inc.downtime_before_s):>8}  {parts}  "
+                f"{duration(inc.recovery_s):>8}"
             )
         lines.append(
-            "DOWN: no process of the run alive; START-UP: interpreter, imports, model, process group; LIST, VERIFY, "
-            "READ: finding the checkpoint, its checksums, reading it; IN PLACE: the state put into the model; "
-            "FIRST STEP: the first training step after it."
+            "HOW: in place (the same processes ran their script again, resilience launch), replaced (a new process "
+            "of resilience launch), relaunch; DOWN: from the previous incarnation's last record to this one's start; "
+            "START-UP: interpreter (if new), imports, model, process group; LIST, VERIFY, READ: finding the "
+            "checkpoint, its checksums, reading it; INTO MODEL: the state put into the model; FIRST STEP: the first "
+            "training step after it."
         )
     if summary.skipped_lines:
         lines.append(

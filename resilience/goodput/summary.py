@@ -28,6 +28,7 @@ from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, LOAD_PARTS, ledger_
 log = logging.getLogger(__name__)
 
 # An incarnation's way back to training after a restart, in order (with the downtime before it).
+IN_PLACE, REPLACED, RELAUNCH = "in place", "replaced", "relaunch"  # restart kinds: see restart_kind
 RECOVERY_PARTS = ("startup_s", *LOAD_PARTS, "in_place_s", "first_step_s")
 BUCKETS = ("productive", "data_wait", "checkpoint", "restore", "startup", "lost", "emergency", "other", "downtime")
 LABELS = {
@@ -75,6 +76,7 @@ class Incarnation:
     pid: int | None
     host: str | None
     restart_count: int | None
+    generation: int | None  # under ``resilience launch``: the generation it trained in
     end_reason: str | None
     restored_step: int | None
     restore_inferred: bool
@@ -88,6 +90,7 @@ class Incarnation:
     spans: list[Span] = field(default_factory=list, repr=False)
     events: list[dict[str, Any]] = field(default_factory=list, repr=False)
     recovery: dict[str, float] = field(default_factory=dict)  # RECOVERY_PARTS: how it got back to training
+    restart: str | None = None  # how it began after the previous one (RESTART_KINDS), None for the first
 
     @property
     def uptime_s(self) -> float:
@@ -103,6 +106,7 @@ class Incarnation:
         row.pop("spans")
         row.pop("events")
         row["uptime_s"] = self.uptime_s
+        row["recovery_s"] = self.recovery_s
         return row
 
 
@@ -247,6 +251,7 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         pid=start.get("pid"),
         host=start.get("host"),
         restart_count=start.get("restart_count"),
+        generation=start.get("generation"),
         end_reason=end.get("reason") if end else None,
         restored_step=restored_step,
         restore_inferred=not restores,
@@ -259,11 +264,23 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
     )
 
 
+def restart_kind(before: Incarnation, inc: Incarnation) -> str:
+    """How ``inc`` followed ``before`` (rank 0's records): in the same process (a restart in place, or another
+    ``fit()``), in a process that ``resilience launch`` gave the next generation (rank 0 was lost and replaced),
+    or in a new launch."""
+    if (inc.pid, inc.host) == (before.pid, before.host):
+        return IN_PLACE
+    if inc.generation is not None and before.generation is not None and inc.generation > before.generation:
+        return REPLACED
+    return RELAUNCH
+
+
 def _account_restarts(incarnations: list[Incarnation]) -> None:
     """Downtime, redone steps, lost productive time and failures: facts that need the neighbours."""
     reached: int | None = None
     for before, inc in zip([None, *incarnations[:-1]], incarnations, strict=True):
         if before is not None:
+            inc.restart = restart_kind(before, inc)
             inc.downtime_before_s = max(0.0, inc.start - before.end)
             inc.buckets["downtime"] = inc.downtime_before_s
             if reached is not None and inc.restored_step is not None:

@@ -9,9 +9,11 @@ mid-save.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
+import threading
 import time
 
 import lightning.pytorch as pl
@@ -20,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
+from lightning_resilience.checkpoint_io import live_checkpoint_ios
 from tests.workers.victim import die_after_boundary
 
 
@@ -47,6 +50,24 @@ class Victim(pl.Callback):
         first = os.environ.get("RESILIENCE_GENERATION", "0") == "0"  # a replacement in place does not die again
         if trainer.global_step == self.step and trainer.global_rank == self.rank and first:
             die_after_boundary(trainer.strategy.checkpoint_io.session, self.step, self.signal)
+
+
+class Report(pl.Callback):
+    """One line per rank as training starts: who it is (pid, generation) and what the process holds of earlier
+    generations (the pack's threads, plugins, Trainers), so a restart in place can be checked for leftovers."""
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        gc.collect()
+        body = {
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "generation": int(os.environ.get("RESILIENCE_GENERATION", "0")),
+            "step": trainer.global_step,
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("resilience")),
+            "plugins": len(live_checkpoint_ios()),
+            "trainers": sum(isinstance(o, pl.Trainer) for o in gc.get_objects()),
+        }
+        print(f"START {json.dumps(body)}", flush=True)
 
 
 class Sleep(pl.Callback):
@@ -78,6 +99,13 @@ def main() -> None:
     p.add_argument("--no-auto-resume", action="store_true")
     p.add_argument("--victim", help="RANK:STEP:kill|stop, a rank lost mid-run")
     p.add_argument("--hang-min-s", type=float, default=10.0, help="the health watchdog's shortest hang")
+    p.add_argument(
+        "--fixed-buckets",
+        action="store_true",
+        help="DDP with find_unused_parameters, which never rebuilds its gradient buckets: from 3 ranks on, the "
+        "bucket layout decides the order gradients are summed in, and a rebuild after a resumed run's first step "
+        "would change it (docs/LIGHTNING.md)",
+    )
     args = p.parse_args()
 
     pl.seed_everything(7, workers=True)
@@ -88,6 +116,7 @@ def main() -> None:
         async_staging=args.async_staging,
     )
     callbacks: list[pl.Callback] = [
+        Report(),
         ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1)
     ]
     if not args.no_auto_resume:
@@ -104,7 +133,9 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="resilient_ddp" if args.devices > 1 else "auto",
+        strategy=("resilient_ddp_find_unused_parameters_true" if args.fixed_buckets else "resilient_ddp")
+        if args.devices > 1
+        else "auto",
         plugins=[io],
         max_steps=args.max_steps,
         callbacks=callbacks,
