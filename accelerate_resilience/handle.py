@@ -21,15 +21,14 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_resilience import compat
+from accelerate_resilience import compat, snapshot
 from accelerate_resilience.plugin import ResiliencePlugin
-from accelerate_resilience.position import DataTracker, Position, load_loader_states, loader_states
-from accelerate_resilience.snapshot import load_object_states, load_training_state, object_states, training_state
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
+from resilience.position import DataTracker, Position
 from resilience.rng import capture_rng
 from resilience.save_handle import SaveHandle
 from resilience.session import Boundary, SaveState, TrainingSession
@@ -185,10 +184,10 @@ class ResilienceHandle:
         rank_state = {
             "rng": capture_rng(),
             "rng_at_next_batch": position.rng_at_next_batch,
-            "objects": object_states(self.accelerator),
-            "loaders": loader_states(compat.dataloaders(self.accelerator)),
+            "objects": snapshot.object_states(self.accelerator),
+            "loaders": snapshot.loader_states(self.accelerator),
         }
-        state = {"training": training_state(self.accelerator), "progress": progress}
+        state = {"training": snapshot.training_state(self.accelerator), "progress": progress}
         return SaveState(state, rank_state, {"adapter": "accelerate", **progress})
 
     def _saved(self, step: int) -> None:
@@ -226,7 +225,7 @@ class ResilienceHandle:
         self._check_open()
         self._refresh()
         restored = self.session.restore(
-            lambda: {"training": training_state(self.accelerator)},
+            lambda: {"training": snapshot.training_state(self.accelerator)},
             step=step,
             per_rank="each rank's RNG, data loader cursor and registered objects (the resumed epoch skips its "
             "trained batches with the new sharding)",
@@ -235,15 +234,15 @@ class ResilienceHandle:
             self.session.restored(None)
             return ResumePoint()
         where = f"checkpoint step {restored.step} ({restored.path})"
-        load_training_state(self.accelerator, restored.state["training"], where)
+        snapshot.load_training_state(self.accelerator, restored.state["training"], where)
         progress = restored.state["progress"]
         self.global_step = self._last_saved = self._boundary_step = restored.step
         self.accelerator.step = progress["accelerator_step"]
         self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
         rank_state = restored.rank_state
         if rank_state is not None:
-            load_object_states(self.accelerator, rank_state["objects"], where)
-            load_loader_states(compat.dataloaders(self.accelerator), rank_state["loaders"], where)
+            snapshot.load_object_states(self.accelerator, rank_state["objects"], where)
+            snapshot.load_loader_states(self.accelerator, rank_state["loaders"], where)
         epoch, batch = progress["epoch"], progress["batch_in_epoch"]
         positioned = rank_state is not None and self._tracker is not None and self._tracker.stateful
         if self._tracker is not None:
@@ -332,7 +331,7 @@ class ResilienceHandle:
             if loader is None:
                 loader = next(iter(compat.dataloaders(accelerator)), None)
             if loader is not None and compat.reports_batches(loader):
-                self._tracker = DataTracker(loader, self._on_batch)
+                self._tracker = DataTracker(loader, self._on_batch, compat)
                 if compat.shuffles_unseeded(loader) and accelerator.is_main_process:
                     warnings.warn(
                         "The training data loader shuffles without a seedable sampler, so a resume mid-epoch "
