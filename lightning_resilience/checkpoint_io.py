@@ -10,7 +10,6 @@ to it: that Trainer's loggers receive the pack's metrics and its hooks drive the
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 import weakref
@@ -33,6 +32,7 @@ from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLeve
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
+from resilience.logs import route_through
 from resilience.names import FILE, SHARDED, NameWriter, publish, recorded_names, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
@@ -41,8 +41,6 @@ from resilience.staging import barrier_for
 from resilience.storage import LocalTier
 from resilience.tree import tensor_bytes
 
-log = logging.getLogger(__name__)
-ENGINE_LOGGERS = ("resilience", "lightning_resilience")
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 
 
@@ -104,7 +102,8 @@ class ResilientCheckpointIO(CheckpointIO):
         self.resumed_at_epoch_end = False
         self._warned_rank0_only = False
         _LIVE.add(self)
-        log_through_lightning()
+        # without a logging set-up of the user's, the pack's lines follow Lightning's logger and its level
+        route_through("lightning.pytorch", lambda: rank_zero_only.rank == 0)
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
@@ -307,27 +306,3 @@ def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
-
-
-class _ThroughLightning(logging.Handler):
-    """The pack's log lines, out the way Lightning's own go: its logger's handlers and level, and INFO from
-    rank 0 only (rank-specific warnings, e.g. of a survivor save, come from every rank)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        lightning = logging.getLogger("lightning.pytorch")
-        if (record.levelno >= logging.WARNING or rank_zero_only.rank == 0) and lightning.isEnabledFor(record.levelno):
-            lightning.handle(record)
-
-
-def log_through_lightning() -> None:
-    """Without a logging setup of the user's (which then takes these lines, as it takes Lightning's), the
-    pack's lines would go out through Python's last-resort handler, deaf to Lightning's log level."""
-    if logging.getLogger().hasHandlers():
-        return
-    for name in ENGINE_LOGGERS:
-        engine = logging.getLogger(name)
-        if not any(isinstance(handler, _ThroughLightning) for handler in engine.handlers):
-            engine.addHandler(_ThroughLightning())
-            engine.propagate = False
-            if engine.level == logging.NOTSET:  # else the root's WARNING would drop INFO before the handler
-                engine.setLevel(logging.INFO)
