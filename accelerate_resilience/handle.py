@@ -31,7 +31,7 @@ from resilience.peer_loss import PeerLossConfig
 from resilience.position import DataTracker, Position
 from resilience.rng import capture_rng
 from resilience.save_handle import SaveHandle
-from resilience.session import Boundary, SaveState, TrainingSession
+from resilience.session import SaveState, TrainingSession
 from resilience.staging import barrier_for
 
 T = TypeVar("T")
@@ -113,7 +113,6 @@ class ResilienceHandle:
             self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
         self.global_step = 0
         self._boundary_step = 0
-        self._stop: Boundary | None = None
         self._last_saved: int | None = None
         self._hooks: list[RemovableHandle] = []
         self._hooked: set[int] = set()
@@ -271,7 +270,7 @@ class ResilienceHandle:
         ``accelerator.end_training()``), which exits with the stop's exit code for the launcher to restart or
         requeue the job; a loop that does not check is stopped the same way at its next batch.
         """
-        return self._stop is not None
+        return self.session.stopping is not None
 
     def close(self) -> None:
         """Finish every queued write and upload, log the last events, and give the Accelerator its methods back.
@@ -290,7 +289,7 @@ class ResilienceHandle:
             if self.session.started:
                 self._boundary()  # the last step: no batch after it ended it
             self._release()
-            if self._stop is not None:
+            if self.session.stopping is not None:
                 for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
                     tracker.finish()
                 self.session.exit()
@@ -354,7 +353,7 @@ class ResilienceHandle:
 
     def _on_batch(self) -> None:
         """Just before the training loader hands out a batch: the previous step is complete."""
-        if self._stop is not None:  # the loop went on after should_stop(): stop it here
+        if self.session.stopping is not None:  # the loop went on after should_stop(): stop it here
             self.close()
         self._begin()
         self._boundary()
@@ -371,8 +370,6 @@ class ResilienceHandle:
         boundary = self.session.step_end(self.global_step)
         if boundary.saved is not None and boundary.saved.step == self.global_step:
             self._saved(self.global_step)
-        if boundary.stop is not None:
-            self._stop = boundary
 
     @property
     def interval_plan(self) -> IntervalPlan | None:
