@@ -33,7 +33,7 @@ from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.logs import route_through
-from resilience.names import FILE, SHARDED, NameWriter, publish, recorded_names, repaired_writer, resolve
+from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
 from resilience.session import TrainingSession
@@ -237,15 +237,11 @@ class ResilientCheckpointIO(CheckpointIO):
 
     def resolve(self, path: str) -> tuple[int | None, str | None]:
         """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would)."""
-        record = self._names or recorded_names(self.config.local_root, allow_pickle=self.config.allow_pickle)
-        return resolve(path, record, self.config.tiers())
+        return resolve(path, self._names, self.config)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the name (its file); the step stays until retention, which never deletes one mid-save."""
-        if self._names is not None:
-            self._names.forget(os.fspath(path))
-        elif os.path.exists(path):
-            os.remove(path)
+        remove(self._names, os.fspath(path))
 
     def teardown(self) -> None:
         """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits."""
