@@ -115,7 +115,7 @@ class ResilientCheckpointIO(CheckpointIO):
         """
         if self._session is not None and self._trainer is trainer and not self._session.ended:
             return self._session
-        self._close_session(None)
+        self._close_session()
         manager = self._engine(trainer)
         session = TrainingSession(
             manager,
@@ -145,13 +145,12 @@ class ResilientCheckpointIO(CheckpointIO):
 
     @property
     def session(self) -> TrainingSession:
-        if self._session is None:
-            trainer = calling_trainer()
-            if trainer is None:
-                raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
-            self.bind(trainer)
-        assert self._session is not None
-        return self._session
+        if self._session is not None:
+            return self._session
+        trainer = calling_trainer()
+        if trainer is None:
+            raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
+        return self.bind(trainer)
 
     @property
     def manager(self) -> CheckpointManager:
@@ -245,9 +244,9 @@ class ResilientCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits."""
-        self._close_session(None)
+        self._close_session()
 
-    def _close_session(self, failure: BaseException | None) -> None:
+    def _close_session(self) -> None:
         """End the session (ledger, monitors); the engine is drained, and stays for saves after training."""
         session, self._session = self._session, None
         if session is None or session.ended:
@@ -256,7 +255,7 @@ class ResilientCheckpointIO(CheckpointIO):
             if self._names is not None:
                 self._names.wait()
         finally:
-            session.end(failure, close_manager=False)
+            session.end(close_manager=False)
 
     def __getstate__(self) -> dict[str, Any]:
         """A Trainer is picklable (``torch.save(trainer)``): the settings travel, the engine's threads do not."""

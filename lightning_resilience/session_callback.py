@@ -98,7 +98,4 @@ class SessionCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.save(trainer)`` pickles callbacks: the live session stays behind."""
-        state = dict(self.__dict__)
-        state.pop("_session", None)
-        state.pop("_paused", None)
-        return state
+        return {key: value for key, value in self.__dict__.items() if key not in ("_session", "_paused")}
