@@ -158,7 +158,7 @@ class ResilienceHandle:
         """
         self._check_open()
         self._refresh()
-        self._begin()
+        self.session.start(self.global_step)
         self._boundary()  # called after a step's optimizer step: that step is complete
         step = self.global_step if step is None else int(step)
         if step == self._last_saved:
@@ -355,13 +355,9 @@ class ResilienceHandle:
         """Just before the training loader hands out a batch: the previous step is complete."""
         if self.session.stopping is not None:  # the loop went on after should_stop(): stop it here
             self.close()
-        self._begin()
+        self.session.start(self.global_step)
         self._boundary()
         self.session.step_begin(self.global_step, infer_wait=False)
-
-    def _begin(self) -> None:
-        if not self.session.started:
-            self.session.start(self.global_step)
 
     def _boundary(self) -> None:
         if self.global_step == self._boundary_step:
