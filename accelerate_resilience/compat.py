@@ -1,7 +1,7 @@
 """Every use of Accelerate's private attributes, in one place, with the versions it was checked against.
 
 Accelerate keeps what it prepared in private lists and gives its prepared data loader no public per-batch
-hook, so the adapter reads those lists and wraps two of the loader's methods. Checked against accelerate
+hook, so the adapter reads those lists and wraps three of the loader's methods. Checked against accelerate
 1.15.0 (the version the tests run) and, for the names below, present since 1.3 (the lowest version this
 package states, because of ``unwrap_model(keep_torch_compile=...)``). If a release renames one of them, this
 module is the only place to change.
@@ -64,7 +64,7 @@ def forget_state() -> None:
 inplace.before_next_generation(forget_state)
 
 
-# ---- the prepared training loader (DataLoaderShard) -------------------------------------------------------
+# ---- the prepared training loader (DataLoaderShard): as a module, the engine's resilience.position.LoaderAccess
 
 
 def reports_batches(loader: Any) -> bool:
@@ -72,14 +72,16 @@ def reports_batches(loader: Any) -> bool:
     return issubclass(type(loader), DataLoaderShard)
 
 
-def hook_batches(loader: Any, on_begin: Callable[[], None], on_batch: Callable[[], None]) -> Callable[[], None]:
-    """Call ``on_begin`` when a pass over ``loader`` starts and ``on_batch`` before each batch is handed out.
+def hook(
+    loader: Any, on_begin: Callable[[], None], on_batch: Callable[[], None], on_end: Callable[[], None] | None = None
+) -> Callable[[], None]:
+    """Call ``on_begin`` when a pass over ``loader`` starts, ``on_batch`` before each batch is handed out and
+    ``on_end`` once the pass ends (:class:`resilience.position.LoaderAccess`).
 
-    ``DataLoaderShard.begin()`` opens a pass and ``_update_state_dict()`` runs once per batch just before the
-    yield (it snapshots a StatefulDataLoader's cursor there). Returns the undo.
+    ``DataLoaderShard.begin()`` opens a pass, ``_update_state_dict()`` runs once per batch just before the yield
+    (it snapshots a StatefulDataLoader's cursor there) and ``end()`` closes the pass. Returns the undo.
     """
-    original_begin = loader.begin
-    original_update = loader._update_state_dict
+    original_begin, original_update, original_end = loader.begin, loader._update_state_dict, loader.end
 
     def begin() -> None:
         original_begin()
@@ -89,26 +91,18 @@ def hook_batches(loader: Any, on_begin: Callable[[], None], on_batch: Callable[[
         on_batch()  # before Accelerate's snapshot: a save here records the cursor of the batches trained on
         original_update()
 
-    loader.begin = begin
-    loader._update_state_dict = update_state_dict
+    def end() -> None:
+        original_end()
+        if on_end is not None:
+            on_end()
+
+    loader.begin, loader._update_state_dict, loader.end = begin, update_state_dict, end
 
     def undo() -> None:
-        for name in ("begin", "_update_state_dict"):
+        for name in ("begin", "_update_state_dict", "end"):
             loader.__dict__.pop(name, None)
 
     return undo
-
-
-def hook_end(loader: Any, after: Callable[[], None]) -> Callable[[], None]:
-    """Call ``after`` once ``loader``'s pass ends (``DataLoaderShard.end``); returns the undo."""
-    original_end = loader.end
-
-    def end() -> None:
-        original_end()
-        after()
-
-    loader.end = end
-    return lambda: loader.__dict__.pop("end", None)
 
 
 def epoch(loader: Any) -> int:

@@ -21,18 +21,17 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.utils.hooks import RemovableHandle
 
-from accelerate_resilience import compat
+from accelerate_resilience import compat, snapshot
 from accelerate_resilience.plugin import ResiliencePlugin
-from accelerate_resilience.position import DataTracker, Position, load_loader_states, loader_states
-from accelerate_resilience.snapshot import load_object_states, load_training_state, object_states, training_state
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
+from resilience.position import DataTracker, Position
 from resilience.rng import capture_rng
 from resilience.save_handle import SaveHandle
-from resilience.session import Boundary, SaveState, TrainingSession
+from resilience.session import SaveState, TrainingSession
 from resilience.staging import barrier_for
 
 T = TypeVar("T")
@@ -114,7 +113,6 @@ class ResilienceHandle:
             self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
         self.global_step = 0
         self._boundary_step = 0
-        self._stop: Boundary | None = None
         self._last_saved: int | None = None
         self._hooks: list[RemovableHandle] = []
         self._hooked: set[int] = set()
@@ -160,7 +158,7 @@ class ResilienceHandle:
         """
         self._check_open()
         self._refresh()
-        self._begin()
+        self.session.start(self.global_step)
         self._boundary()  # called after a step's optimizer step: that step is complete
         step = self.global_step if step is None else int(step)
         if step == self._last_saved:
@@ -185,10 +183,10 @@ class ResilienceHandle:
         rank_state = {
             "rng": capture_rng(),
             "rng_at_next_batch": position.rng_at_next_batch,
-            "objects": object_states(self.accelerator),
-            "loaders": loader_states(compat.dataloaders(self.accelerator)),
+            "objects": snapshot.object_states(self.accelerator),
+            "loaders": snapshot.loader_states(self.accelerator),
         }
-        state = {"training": training_state(self.accelerator), "progress": progress}
+        state = {"training": snapshot.training_state(self.accelerator), "progress": progress}
         return SaveState(state, rank_state, {"adapter": "accelerate", **progress})
 
     def _saved(self, step: int) -> None:
@@ -226,7 +224,7 @@ class ResilienceHandle:
         self._check_open()
         self._refresh()
         restored = self.session.restore(
-            lambda: {"training": training_state(self.accelerator)},
+            lambda: {"training": snapshot.training_state(self.accelerator)},
             step=step,
             per_rank="each rank's RNG, data loader cursor and registered objects (the resumed epoch skips its "
             "trained batches with the new sharding)",
@@ -235,15 +233,15 @@ class ResilienceHandle:
             self.session.restored(None)
             return ResumePoint()
         where = f"checkpoint step {restored.step} ({restored.path})"
-        load_training_state(self.accelerator, restored.state["training"], where)
+        snapshot.load_training_state(self.accelerator, restored.state["training"], where)
         progress = restored.state["progress"]
         self.global_step = self._last_saved = self._boundary_step = restored.step
         self.accelerator.step = progress["accelerator_step"]
         self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
         rank_state = restored.rank_state
         if rank_state is not None:
-            load_object_states(self.accelerator, rank_state["objects"], where)
-            load_loader_states(compat.dataloaders(self.accelerator), rank_state["loaders"], where)
+            snapshot.load_object_states(self.accelerator, rank_state["objects"], where)
+            snapshot.load_loader_states(self.accelerator, rank_state["loaders"], where)
         epoch, batch = progress["epoch"], progress["batch_in_epoch"]
         positioned = rank_state is not None and self._tracker is not None and self._tracker.stateful
         if self._tracker is not None:
@@ -272,7 +270,7 @@ class ResilienceHandle:
         ``accelerator.end_training()``), which exits with the stop's exit code for the launcher to restart or
         requeue the job; a loop that does not check is stopped the same way at its next batch.
         """
-        return self._stop is not None
+        return self.session.stopping is not None
 
     def close(self) -> None:
         """Finish every queued write and upload, log the last events, and give the Accelerator its methods back.
@@ -291,7 +289,7 @@ class ResilienceHandle:
             if self.session.started:
                 self._boundary()  # the last step: no batch after it ended it
             self._release()
-            if self._stop is not None:
+            if self.session.stopping is not None:
                 for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
                     tracker.finish()
                 self.session.exit()
@@ -332,7 +330,7 @@ class ResilienceHandle:
             if loader is None:
                 loader = next(iter(compat.dataloaders(accelerator)), None)
             if loader is not None and compat.reports_batches(loader):
-                self._tracker = DataTracker(loader, self._on_batch)
+                self._tracker = DataTracker(loader, self._on_batch, compat)
                 if compat.shuffles_unseeded(loader) and accelerator.is_main_process:
                     warnings.warn(
                         "The training data loader shuffles without a seedable sampler, so a resume mid-epoch "
@@ -355,15 +353,11 @@ class ResilienceHandle:
 
     def _on_batch(self) -> None:
         """Just before the training loader hands out a batch: the previous step is complete."""
-        if self._stop is not None:  # the loop went on after should_stop(): stop it here
+        if self.session.stopping is not None:  # the loop went on after should_stop(): stop it here
             self.close()
-        self._begin()
+        self.session.start(self.global_step)
         self._boundary()
         self.session.step_begin(self.global_step, infer_wait=False)
-
-    def _begin(self) -> None:
-        if not self.session.started:
-            self.session.start(self.global_step)
 
     def _boundary(self) -> None:
         if self.global_step == self._boundary_step:
@@ -372,8 +366,6 @@ class ResilienceHandle:
         boundary = self.session.step_end(self.global_step)
         if boundary.saved is not None and boundary.saved.step == self.global_step:
             self._saved(self.global_step)
-        if boundary.stop is not None:
-            self._stop = boundary
 
     @property
     def interval_plan(self) -> IntervalPlan | None:

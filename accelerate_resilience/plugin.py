@@ -49,10 +49,6 @@ _NOTES = {
 _RENAMED = {"local_dir": "local_root", "survivor_saves": "enabled", **{v: k for k, v in _ENGINE_NAMES.items()}}
 
 
-def env_name(field_name: str) -> str:
-    return env.env_name(ENV_PREFIX, field_name)
-
-
 @document(
     CheckpointConfig,
     IntervalConfig,
@@ -119,8 +115,8 @@ class ResiliencePlugin:
         root = self.local_dir or local_dir
         if not root:
             raise ConfigError(
-                f"ResiliencePlugin has no local_dir: pass local_dir=..., set {env_name('local_dir')}, or give the "
-                "Accelerator a ProjectConfiguration(project_dir=...)"
+                f"ResiliencePlugin has no local_dir: pass local_dir=..., set {env.env_name(ENV_PREFIX, 'local_dir')}, "
+                "or give the Accelerator a ProjectConfiguration(project_dir=...)"
             )
         try:
             return env.pick(

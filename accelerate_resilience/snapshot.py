@@ -1,8 +1,9 @@
 """What an Accelerate job's checkpoint holds, split the way the engine stores it.
 
 Shared (identical on every rank, each tensor written once by one rank): the models, optimizers, schedulers
-and GradScaler the accelerator prepared. Per rank: the RNG streams and the objects registered with
-``register_for_checkpointing``, whose state Accelerate saves from rank 0 only, losing whatever differs per rank.
+and GradScaler the accelerator prepared. Per rank: the RNG streams, the data loaders' positions and the objects
+registered with ``register_for_checkpointing``, whose state Accelerate saves from rank 0 only, losing whatever
+differs per rank.
 
 The trees hold the live tensors (``state_dict()`` aliases, not copies): the engine's staging is the one copy a
 save makes, and a resume fills these same tensors in place. For models whose parameters are DTensors (FSDP2)
@@ -73,11 +74,8 @@ def load_training_state(accelerator: Accelerator, state: dict[str, Any], where: 
         ("optimizers", compat.optimizers(accelerator)),
         ("schedulers", compat.schedulers(accelerator)),
     ):
-        if len(state[kind]) != len(live):
-            raise IncompatibleStateError(
-                f"{where} holds {len(state[kind])} {kind} but this run prepared {len(live)}: prepare the same "
-                "models, optimizers and schedulers, in the same order, as the run that saved it"
-            )
+        fix = "prepare the same models, optimizers and schedulers, in the same order, as the run that saved it"
+        _same_count(where, state[kind], live, kind, fix)
     models = _unwrapped(accelerator)
     if _sharded(models):  # model and optimizer separately: together, non-zero ranks can hang (notes/dcp.md)
         for model, saved in zip(models, state["models"], strict=True):
@@ -101,10 +99,46 @@ def object_states(accelerator: Accelerator) -> list[Any]:
 
 def load_object_states(accelerator: Accelerator, states: list[Any], where: str) -> None:
     objects = compat.registered_objects(accelerator)
-    if len(states) != len(objects):
-        raise IncompatibleStateError(
-            f"{where} holds {len(states)} objects registered for checkpointing but this run registered "
-            f"{len(objects)}: register the same objects, in the same order"
-        )
+    what, fix = "objects registered for checkpointing", "register the same objects, in the same order"
+    _same_count(where, states, objects, what, fix, did="registered")
     for obj, saved in zip(objects, states, strict=True):
         obj.load_state_dict(saved)
+
+
+def loader_states(accelerator: Accelerator) -> list[dict[str, Any]]:
+    """Per rank: each prepared loader's epoch, StatefulDataLoader cursor and shuffle seed (Accelerate saves no
+    epoch, so a resumed run would replay epoch 0's order)."""
+    states = []
+    for loader in compat.dataloaders(accelerator):
+        sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+        states.append(
+            {
+                "epoch": compat.epoch(loader),
+                "state": loader.state_dict() if compat.stateful(loader) else None,
+                # SeedableRandomSampler shuffles epoch e with initial_seed + e: keep the seed, so a relaunch
+                # that seeds torch differently still replays the same order.
+                "seed": getattr(sampler, "initial_seed", None),
+            }
+        )
+    return states
+
+
+def load_loader_states(accelerator: Accelerator, states: list[dict[str, Any]], where: str) -> None:
+    loaders = compat.dataloaders(accelerator)
+    _same_count(where, states, loaders, "data loaders", "prepare the same data loaders, in the same order")
+    for loader, saved in zip(loaders, states, strict=True):
+        sampler = loader.get_sampler() if hasattr(loader, "get_sampler") else None
+        if saved["seed"] is not None and sampler is not None and hasattr(sampler, "initial_seed"):
+            sampler.initial_seed = saved["seed"]
+        if saved["state"] is not None and compat.stateful(loader):
+            loader.load_state_dict(saved["state"])
+            # the iterator's seed draws happen before the RNG is restored, as they did in the run that saved it
+            # (a finished state makes torchdata draw for a second, fresh iterator)
+            compat.refresh_snapshot(loader)
+        compat.set_epoch(loader, saved["epoch"])
+
+
+def _same_count(where: str, saved: list[Any], live: list[Any], what: str, fix: str, did: str = "prepared") -> None:
+    """Saved and live states are matched by position: another count means another job's checkpoint."""
+    if len(saved) != len(live):
+        raise IncompatibleStateError(f"{where} holds {len(saved)} {what} but this run {did} {len(live)}: {fix}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import warnings
 from typing import Any
@@ -16,7 +15,7 @@ from typing_extensions import override
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO, calling_trainer, live_checkpoint_ios
 from lightning_resilience.session_callback import SessionCallback
-from resilience import catalog
+from resilience import catalog, continuity
 from resilience.errors import ConfigError, ResilienceError
 from resilience.names import write_resume_marker
 
@@ -119,47 +118,34 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
 
 
 def continue_loggers(trainer: pl.Trainer, versions: list[Any], step: int) -> None:
-    """Give each logger that has not chosen a version the one it had in the saved run.
+    """Give each logger that has not chosen a version the one it had in the saved run (:mod:`resilience.continuity`).
 
-    Loggers that number their versions (``CSVLogger``, ``TensorBoardLogger``) take it here; others (run ids
-    of tracking services) can only be given one when they are made, so a mismatch is reported with the fix.
-    ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens a version: its rows from before the
-    resumed step are kept (and the commit of that step), and those of the lost steps after it are dropped
-    (they are logged again).
+    ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens a version: the saved run's rows that the
+    resumed run keeps are set aside first, then written back through its writer. A tracking service's logger
+    can be given its run id only when it is made: a mismatch is reported with the fix.
     """
-    for logger, version in zip(trainer.loggers, versions, strict=False):  # loggers added or removed: the first ones
-        if version is None:
-            continue
-        if getattr(logger, "_version", version) is None:
-            logger._version = version
-            if isinstance(logger, CSVLogger) and trainer.is_global_zero:
-                _keep_csv_rows(logger, step)
-        elif logger.version != version:
-            rank_zero_warn(
-                f"AutoResume: {type(logger).__name__} logs this resumed run as {logger.version!r}, the saved run "
-                f"as {version!r}; to continue that run, give the logger its id (e.g. WandbLogger(id={version!r}, "
-                "resume='allow'), MLFlowLogger(run_id=...))"
-            )
+    took, others = continuity.continue_versions(trainer.loggers, versions)
+    for logger in took:
+        if isinstance(logger, CSVLogger) and trainer.is_global_zero:
+            _keep_csv_rows(logger, step)
+    for logger, version in others:
+        rank_zero_warn(
+            f"AutoResume: {type(logger).__name__} logs this resumed run as {logger.version!r}, the saved run "
+            f"as {version!r}; to continue that run, give the logger its id (e.g. WandbLogger(id={version!r}, "
+            "resume='allow'), MLFlowLogger(run_id=...))"
+        )
 
 
 def _keep_csv_rows(logger: CSVLogger, step: int) -> None:
     path = os.path.join(logger.log_dir, "metrics.csv")  # the file name Lightning's writer uses
     if not os.path.isfile(path):
         return
-    aside = f"{path}.resumed-{os.getpid()}"
-    os.replace(path, aside)  # out of the writer's reach until its rows are written back
-    with open(aside, newline="") as stream:
-        rows = [
-            {key: value for key, value in row.items() if value != ""}
-            for row in csv.DictReader(stream)
-            if float(row.get("step") or 0) < step or 0 < float(row.get("checkpoint/committed_step") or 0) <= step
-        ]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-        experiment = logger.experiment
-    experiment.metrics[:0] = rows
-    experiment.save()
-    os.remove(aside)
+    with continuity.kept_rows(path, step) as rows:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+            experiment = logger.experiment
+        experiment.metrics[:0] = rows
+        experiment.save()
 
 
 def _warn_if_order_is_not_resumable(trainer: pl.Trainer) -> None:

@@ -10,7 +10,6 @@ to it: that Trainer's loggers receive the pack's metrics and its hooks drive the
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
 import weakref
@@ -33,7 +32,8 @@ from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLeve
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
-from resilience.names import FILE, SHARDED, NameWriter, publish, recorded_names, repaired_writer, resolve
+from resilience.logs import route_through
+from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
 from resilience.session import TrainingSession
@@ -41,8 +41,6 @@ from resilience.staging import barrier_for
 from resilience.storage import LocalTier
 from resilience.tree import tensor_bytes
 
-log = logging.getLogger(__name__)
-ENGINE_LOGGERS = ("resilience", "lightning_resilience")
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 
 
@@ -104,7 +102,8 @@ class ResilientCheckpointIO(CheckpointIO):
         self.resumed_at_epoch_end = False
         self._warned_rank0_only = False
         _LIVE.add(self)
-        log_through_lightning()
+        # without a logging set-up of the user's, the pack's lines follow Lightning's logger and its level
+        route_through("lightning.pytorch", lambda: rank_zero_only.rank == 0)
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
@@ -116,7 +115,7 @@ class ResilientCheckpointIO(CheckpointIO):
         """
         if self._session is not None and self._trainer is trainer and not self._session.ended:
             return self._session
-        self._close_session(None)
+        self._close_session()
         manager = self._engine(trainer)
         session = TrainingSession(
             manager,
@@ -146,13 +145,12 @@ class ResilientCheckpointIO(CheckpointIO):
 
     @property
     def session(self) -> TrainingSession:
-        if self._session is None:
-            trainer = calling_trainer()
-            if trainer is None:
-                raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
-            self.bind(trainer)
-        assert self._session is not None
-        return self._session
+        if self._session is not None:
+            return self._session
+        trainer = calling_trainer()
+        if trainer is None:
+            raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
+        return self.bind(trainer)
 
     @property
     def manager(self) -> CheckpointManager:
@@ -238,21 +236,17 @@ class ResilientCheckpointIO(CheckpointIO):
 
     def resolve(self, path: str) -> tuple[int | None, str | None]:
         """(step to load from the engine, None) or (None, path of a plain checkpoint to load as Lightning would)."""
-        record = self._names or recorded_names(self.config.local_root, allow_pickle=self.config.allow_pickle)
-        return resolve(path, record, self.config.tiers())
+        return resolve(path, self._names, self.config)
 
     def remove_checkpoint(self, path: _PATH) -> None:
         """Remove the name (its file); the step stays until retention, which never deletes one mid-save."""
-        if self._names is not None:
-            self._names.forget(os.fspath(path))
-        elif os.path.exists(path):
-            os.remove(path)
+        remove(self._names, os.fspath(path))
 
     def teardown(self) -> None:
         """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits."""
-        self._close_session(None)
+        self._close_session()
 
-    def _close_session(self, failure: BaseException | None) -> None:
+    def _close_session(self) -> None:
         """End the session (ledger, monitors); the engine is drained, and stays for saves after training."""
         session, self._session = self._session, None
         if session is None or session.ended:
@@ -261,7 +255,7 @@ class ResilientCheckpointIO(CheckpointIO):
             if self._names is not None:
                 self._names.wait()
         finally:
-            session.end(failure, close_manager=False)
+            session.end(close_manager=False)
 
     def __getstate__(self) -> dict[str, Any]:
         """A Trainer is picklable (``torch.save(trainer)``): the settings travel, the engine's threads do not."""
@@ -307,27 +301,3 @@ def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=step)
-
-
-class _ThroughLightning(logging.Handler):
-    """The pack's log lines, out the way Lightning's own go: its logger's handlers and level, and INFO from
-    rank 0 only (rank-specific warnings, e.g. of a survivor save, come from every rank)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        lightning = logging.getLogger("lightning.pytorch")
-        if (record.levelno >= logging.WARNING or rank_zero_only.rank == 0) and lightning.isEnabledFor(record.levelno):
-            lightning.handle(record)
-
-
-def log_through_lightning() -> None:
-    """Without a logging setup of the user's (which then takes these lines, as it takes Lightning's), the
-    pack's lines would go out through Python's last-resort handler, deaf to Lightning's log level."""
-    if logging.getLogger().hasHandlers():
-        return
-    for name in ENGINE_LOGGERS:
-        engine = logging.getLogger(name)
-        if not any(isinstance(handler, _ThroughLightning) for handler in engine.handlers):
-            engine.addHandler(_ThroughLightning())
-            engine.propagate = False
-            if engine.level == logging.NOTSET:  # else the root's WARNING would drop INFO before the handler
-                engine.setLevel(logging.INFO)

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from resilience import continuity
 from resilience.formats.lightning_ckpt import LOADER_PATH, split_loaders
 from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
@@ -27,20 +28,8 @@ def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = No
     rank_state = {"rng": capture_rng(), "combined_loader": loaders}
     extra: dict[str, Any] = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
     if trainer is not None:
-        extra["logger_versions"] = logger_versions(trainer)
+        extra["logger_versions"] = continuity.logger_versions(trainer.loggers)
     return SaveState(shared, rank_state, {"adapter": "lightning", **extra})
-
-
-def logger_versions(trainer: pl.Trainer) -> list[int | str | None]:
-    """Each logger's version (run id) as far as JSON can hold it, in the Trainer's order."""
-    versions: list[int | str | None] = []
-    for logger in trainer.loggers:
-        try:
-            version = logger.version
-        except Exception:  # a logger that needs its service for this: no version to continue
-            version = None
-        versions.append(version if isinstance(version, (int, str)) else None)
-    return versions
 
 
 def full_state(trainer: pl.Trainer) -> SaveState:

@@ -18,16 +18,6 @@ from lightning_resilience.checkpoint_io import ResilientCheckpointIO
 from resilience.session import TrainingSession
 
 
-def resilient_io(trainer: pl.Trainer, who: str) -> ResilientCheckpointIO:
-    io = trainer.strategy.checkpoint_io
-    if not isinstance(io, ResilientCheckpointIO):
-        raise TypeError(
-            f"{who} works through ResilientCheckpointIO: add it to the Trainer, "
-            "Trainer(plugins=[ResilientCheckpointIO(...)]) (or strategy='resilient_ddp' under DDP)"
-        )
-    return io
-
-
 class SessionCallback(Callback):
     """Wires Lightning's fit hooks to the training session of the Trainer's ``ResilientCheckpointIO``."""
 
@@ -41,7 +31,13 @@ class SessionCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        session = resilient_io(trainer, type(self).__name__).bind(trainer)
+        io = trainer.strategy.checkpoint_io
+        if not isinstance(io, ResilientCheckpointIO):
+            raise TypeError(
+                f"{type(self).__name__} works through ResilientCheckpointIO: add it to the Trainer, "
+                "Trainer(plugins=[ResilientCheckpointIO(...)]) (or strategy='resilient_ddp' under DDP)"
+            )
+        session = io.bind(trainer)
         if session is not self._session:
             self._session = session
             self.configure(session, trainer)
@@ -98,7 +94,4 @@ class SessionCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.save(trainer)`` pickles callbacks: the live session stays behind."""
-        state = dict(self.__dict__)
-        state.pop("_session", None)
-        state.pop("_paused", None)
-        return state
+        return {key: value for key, value in self.__dict__.items() if key not in ("_session", "_paused")}

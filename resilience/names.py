@@ -39,6 +39,7 @@ from resilience.storage import LocalTier, Tier
 from resilience.worker import Worker
 
 if TYPE_CHECKING:
+    from resilience.config import CheckpointConfig
     from resilience.manager import CheckpointManager
 
 log = logging.getLogger(__name__)
@@ -257,11 +258,11 @@ def repaired_writer(manager: CheckpointManager) -> NameWriter | None:
     return names
 
 
-def recorded_names(local_root: str | os.PathLike[str], *, allow_pickle: bool) -> NameWriter | None:
-    """The names recorded under ``local_root``, for a process that writes none (other ranks look steps up in
+def _recorded(config: CheckpointConfig) -> NameWriter | None:
+    """The names recorded under the local root, for a process that writes none (other ranks look steps up in
     it); None where the folder cannot be read."""
     with contextlib.suppress(OSError):
-        return NameWriter(LocalTier(local_root), allow_pickle=allow_pickle)
+        return NameWriter(LocalTier(config.local_root), allow_pickle=config.allow_pickle)
     return None
 
 
@@ -309,22 +310,24 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     return text if "://" in text else os.path.abspath(text)
 
 
-def resolve(path: str, names: NameWriter | None, tiers: list[Tier]) -> tuple[int | None, str | None]:
+def resolve(path: str, names: NameWriter | None, config: CheckpointConfig) -> tuple[int | None, str | None]:
     """(step to load from the engine, None: the newest that verifies) or (None, path of a plain checkpoint file).
 
-    ``names``: the record of this run's names, if any (a load of a name still being written waits for it).
-    No collectives: a sharded strategy resolves on rank 0 only and broadcasts the answer.
+    ``names``: rank 0's writer (a load of a name still being written waits for it); without one, the names
+    recorded under ``config``'s local root. No collectives: a sharded strategy resolves on rank 0 only and
+    broadcasts the answer.
     """
     if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
         return None, None
     step = parse_step_dirname(path)
     if step is not None and os.path.isdir(path):
         return step, None
+    names = names or _recorded(config)
     name = names.lookup(path) if names is not None else None
     pending = names.pending(path) if names is not None else None
     if pending is not None:
         pending.result()  # a save of this path is in flight: load what it writes, once it is written
-    if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and _held(name.step, tiers):
+    if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and _held(name.step, config.tiers()):
         return name.step, None  # the engine's copy: verified, and every rank's own state
     if os.path.exists(os.path.realpath(path)) or "://" in path:
         return None, path
@@ -332,6 +335,15 @@ def resolve(path: str, names: NameWriter | None, tiers: list[Tier]) -> tuple[int
         log.warning("%s was never written (its process ended first); loading step %d", path, name.step)
         return name.step, None
     raise FileNotFoundError(f"Checkpoint {path} does not exist: pass an existing file, or ckpt_path='last'")
+
+
+def remove(names: NameWriter | None, path: str) -> None:
+    """The framework removed the name ``path``: delete it, and with rank 0's writer its record (after a write in
+    flight); the step stays until retention, which never deletes one mid-save."""
+    if names is not None:
+        names.forget(path)
+    else:
+        remove_name(path)
 
 
 def _held(step: int, tiers: list[Tier]) -> bool:

@@ -409,7 +409,8 @@ class TrainingSession:
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
     def start(self, step: int) -> None:
-        """Training is about to begin at ``step``; collective. Claims the root, starts the monitors."""
+        """Training is about to begin at ``step``; collective. Claims the root, starts the monitors; once (a later
+        call does nothing, so an adapter may call it wherever training may begin)."""
         if self.started:
             return
         self.manager.claim(resumed_from=step if self.manager.saved(step) is not None else None)

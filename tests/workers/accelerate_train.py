@@ -10,8 +10,8 @@ attempt's rank 1 gets a SIGTERM at this step, through the health package's fault
 loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
 after STEP begins, in the first generation only under ``resilience launch``; the other's survivor save follows
 from the failed all-reduce), TRAIN_FSDP2 (1: Accelerate's FSDP2, ``fsdp_version=2``; the final states are then
-gathered to full tensors, and OUT_DIR/restored-rank<R>.pt holds the state just resumed). Each rank also records the ``every_n_steps="auto"`` plans it followed, and the
-step at which it got each.
+gathered to full tensors, and OUT_DIR/restored-rank<R>.pt holds the state just resumed). Each rank also records
+the ``every_n_steps="auto"`` plans it followed, and the step at which it got each.
 
 Accelerate 1.15 turns FSDP on only for GPU-class distributed types (``AcceleratorState`` leaves ``MULTI_CPU``, what
 ``Accelerator(cpu=True)`` under ``accelerate launch --multi_gpu`` is, without it, and wraps the model in DDP), so on

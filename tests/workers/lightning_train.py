@@ -117,7 +117,7 @@ def main() -> None:
     )
     callbacks: list[pl.Callback] = [
         Report(),
-        ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1)
+        ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1),
     ]
     if not args.no_auto_resume:
         callbacks.append(AutoResume())

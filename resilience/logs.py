@@ -1,0 +1,38 @@
+"""The pack's log lines, out the way the framework's own lines go.
+
+Without a logging set-up of the user's (which then takes the pack's lines, as it takes the framework's), the
+pack's lines would go out through Python's last-resort handler: WARNING and above only, from every rank, and
+deaf to the level the user gave the framework's logger. An adapter routes them through that logger instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+
+class _Through(logging.Handler):
+    """Hands each record to the ``target`` logger (its handlers and level); INFO only where ``is_main()``, while
+    warnings (e.g. of a survivor save, which are rank-specific) come from every rank."""
+
+    def __init__(self, target: str, is_main: Callable[[], bool]):
+        super().__init__()
+        self.target = target
+        self.is_main = is_main
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger(self.target)
+        if (record.levelno >= logging.WARNING or self.is_main()) and target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def route_through(target: str, is_main: Callable[[], bool]) -> None:
+    """Send the engine's records (the ``resilience`` logger's) through the ``target`` logger, unless the user
+    set up logging; once."""
+    engine = logging.getLogger("resilience")
+    if logging.getLogger().hasHandlers() or any(isinstance(handler, _Through) for handler in engine.handlers):
+        return
+    engine.addHandler(_Through(target, is_main))
+    engine.propagate = False
+    if engine.level == logging.NOTSET:  # else the root's WARNING would drop INFO before the handler
+        engine.setLevel(logging.INFO)
