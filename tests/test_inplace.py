@@ -1,0 +1,259 @@
+"""Restart in place under ``resilience launch``: a lost rank is replaced and the healthy ranks keep their processes.
+
+First the launcher's own rules, with ranks that train nothing (tests/workers/launch_probe.py): a lost rank goes
+to a warm spare while the others run their script again in the same process, restarts are bounded, an agreed
+stop ends the job with its code, a hung rank is ended on its peers' word, and a signal reaches every rank.
+Then real training through the real Trainer and an Accelerate loop: kill -9 (rank 1, and rank 0 of three, the
+rank that hosts the process group's store) and SIGSTOP of one rank mid-step; the survivors' PIDs stay, training
+goes on from the survivors' save in the same command, and the final parameters are bit-exact with an
+uninterrupted run. A preemption of every rank still takes the normal way: the job stops with 75, and the same
+command run again resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resilience.inplace import Target
+from resilience.launcher import auto_preload
+from tests.helpers import ROOT, WORKERS, base_env, kill_tree
+
+PROBE = WORKERS / "launch_probe.py"
+LIGHTNING = WORKERS / "lightning_train.py"
+ACCELERATE = WORKERS / "accelerate_train.py"
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def start(
+    log: Path, nproc: int, script: Path, args: Sequence[str] = (), *, env: dict[str, str] | None = None, **options: Any
+) -> subprocess.Popen[str]:
+    """``resilience launch`` in a session of its own (its ranks are in its process group); output to ``log``."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+    command = [sys.executable, "-m", "resilience.cli", "launch", f"--nproc-per-node={nproc}", *flags, str(script)]
+    with log.open("w") as sink:  # not a pipe: a stopped rank would hold it open
+        return subprocess.Popen(
+            [*command, *args],
+            env=base_env(env),
+            cwd=ROOT,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+
+def launch(log: Path, nproc: int, script: Path, args: Sequence[str] = (), **kwargs: Any) -> tuple[int, str]:
+    proc = start(log, nproc, script, args, **kwargs)
+    try:
+        proc.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the launch did not end in {TIMEOUT_S}s:\n{log.read_text()[-6000:]}") from None
+    finally:
+        kill_tree(proc)
+    return proc.returncode, log.read_text()
+
+
+def lines(output: str, tag: str) -> list[dict[str, Any]]:
+    """The JSON bodies of ``tag`` lines (ranks share the output: a line may start in the middle of another's)."""
+    return [json.loads(found) for found in re.findall(tag + r" (\{[^{}]*\})", output)]
+
+
+def by_generation(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["generation"], r["rank"]): r for r in records}
+
+
+def same_params(a: Path, b: Path) -> bool:
+    left, right = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
+# ---- the launcher's rules ------------------------------------------------------------------------------------
+
+
+def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_process(tmp_path: Path) -> None:
+    plan = {"0:1": "late-die:3", "0:0": "fail"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    assert code == 0, output
+    seen = by_generation(lines(output, "PROBE"))
+    assert set(seen) == {(0, 0), (0, 1), (1, 0), (1, 1)}, output
+    assert seen[1, 0]["pid"] == seen[0, 0]["pid"], "the healthy rank's process was not kept"
+    replacement = seen[1, 1]
+    assert replacement["pid"] != seen[0, 1]["pid"]
+    assert replacement["started"] < replacement["began"] - 0.5, "the replacement was not a process started ahead"
+    assert "generation 1: rank(s) [1] replaced, the others restart in place (restart 1 of 3)" in output
+
+
+def test_restarts_are_bounded_and_the_job_ends_with_the_lost_ranks_code(tmp_path: Path) -> None:
+    plan = {f"{g}:1": "die:3" for g in range(4)} | {f"{g}:0": "fail" for g in range(4)}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, max_restarts=2, spares=0)
+    assert code == 3, output
+    assert {r["generation"] for r in lines(output, "PROBE")} == {0, 1, 2}
+    assert "not restarted (no restarts left)" in output
+
+
+def test_an_agreed_stop_ends_the_job_with_its_code_and_nothing_restarts(tmp_path: Path) -> None:
+    plan = {"0:0": "stop:75", "0:1": "stop:75"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    assert code == 75, output
+    assert {r["generation"] for r in lines(output, "PROBE")} == {0}
+    assert "replaced" not in output
+
+
+def test_a_hung_rank_is_ended_on_its_peers_word(tmp_path: Path) -> None:
+    plan = {"0:1": "hang", "0:0": "evict:1"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    assert code == 0, output
+    assert "rank 1 is hung (its peers say so): ending it" in output
+    seen = by_generation(lines(output, "PROBE"))
+    assert seen[1, 0]["pid"] == seen[0, 0]["pid"] and seen[1, 1]["pid"] != seen[0, 1]["pid"]
+
+
+def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
+    plan = {"0:0": "sigterm", "0:1": "sigterm"}
+    log = tmp_path / "log"
+    proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while log.read_text().count("READY") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 75, log.read_text()
+
+
+def test_a_spare_preloads_the_scripts_libraries_but_never_the_users_own_modules() -> None:
+    found = auto_preload(Target.parse([str(LIGHTNING)]))
+    assert "torch" in found and "lightning.pytorch" in found
+    assert not any(name.split(".")[0] in ("examples", "tests", "lightning_resilience") for name in found), found
+
+
+# ---- real training -------------------------------------------------------------------------------------------
+
+
+def lightning(tmp: Path, nproc: int, *args: str, **options: Any) -> tuple[int, str]:
+    command = ["--root", str(tmp), "--devices", str(nproc), "--out", str(tmp / "final.pt"), *args]
+    tmp.mkdir(parents=True, exist_ok=True)
+    return launch(tmp / "launch.log", nproc, LIGHTNING, command, **options)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank fit under the launcher (its normal path)."""
+    root = tmp_path_factory.mktemp("reference")
+    code, output = lightning(root, 2)
+    assert code == 0, output[-6000:]
+    return root / "final.pt"
+
+
+def check_restarted_in_place(output: str, nproc: int, victim: int, step: int) -> None:
+    """Every rank resumed ``step`` in generation 1; the survivors in their own process, holding nothing of
+    generation 0 (the pack's threads, plugins and Trainers are the first generation's in number)."""
+    seen = by_generation(lines(output, "START"))
+    assert set(seen) == {(g, r) for g in (0, 1) for r in range(nproc)}, output[-6000:]
+    for rank in range(nproc):
+        first, second = seen[0, rank], seen[1, rank]
+        assert second["step"] == step, (rank, second)
+        assert (second["pid"] == first["pid"]) == (rank != victim), (rank, first, second)
+        assert (second["threads"], second["plugins"], second["trainers"]) == (first["threads"], 1, 1), second
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"], ids=["kill-9", "sigstop"])
+def test_lightning_ranks_restart_in_place_after_a_lost_rank_and_end_bit_exact(
+    tmp_path: Path, reference: Path, how: str
+) -> None:
+    args = ["--victim", f"1:7:{how}", "--step-sleep", "0.1"]
+    if how == "stop":
+        args += ["--health", "--hang-min-s", "4"]
+    code, output = lightning(tmp_path, 2, *args)
+    assert code == 0, output[-6000:]
+    assert "survivor save of step 7 by ranks [0] (lost: [1]): committed" in output
+    if how == "stop":
+        assert "rank 1 is hung (its peers say so): ending it" in output
+    check_restarted_in_place(output, 2, victim=1, step=7)
+    assert same_params(tmp_path / "final.pt", reference), "the run restarted in place differs from an uninterrupted one"
+
+
+def test_three_lightning_ranks_lose_rank_0_and_go_on_bit_exact(tmp_path: Path) -> None:
+    """Rank 0 hosts the process group's store: its replacement hosts the next generation's. Three ranks sum
+    gradients in an order DDP's buckets decide, hence ``--fixed-buckets`` (docs/LIGHTNING.md)."""
+    code, output = lightning(tmp_path / "reference", 3, "--fixed-buckets")
+    assert code == 0, output[-6000:]
+    code, output = lightning(tmp_path / "run", 3, "--fixed-buckets", "--victim", "0:7:kill", "--step-sleep", "0.1")
+    assert code == 0, output[-6000:]
+    assert "survivor save of step 7 by ranks [1, 2] (lost: [0]): committed" in output
+    check_restarted_in_place(output, 3, victim=0, step=7)
+    assert same_params(tmp_path / "run" / "final.pt", tmp_path / "reference" / "final.pt")
+
+
+def test_a_preemption_of_every_rank_stops_the_job_and_the_same_command_resumes(tmp_path: Path, reference: Path) -> None:
+    args = ["--root", str(tmp_path), "--devices", "2", "--health", "--step-sleep", "0.2"]
+    args += ["--out", str(tmp_path / "final.pt")]
+    log = tmp_path / "launch.log"
+    proc = start(log, 2, LIGHTNING, args)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (tmp_path / "ckpt" / "step-4" / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-6000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_tree(proc)
+    output = log.read_text()
+    assert proc.returncode == 75, output[-6000:]
+    assert "replaced" not in output and {r["generation"] for r in lines(output, "START")} == {0}
+    code, output = launch(tmp_path / "again.log", 2, LIGHTNING, args)
+    assert code == 0, output[-6000:]
+    assert all(r["step"] > 4 for r in lines(output, "START")), "the relaunch did not resume past the stop"
+    assert same_params(tmp_path / "final.pt", reference)
+
+
+def accelerate(out: Path, **settings: str) -> tuple[int, str]:
+    out.mkdir(parents=True)
+    env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
+    env.update(HF_HOME=str(out / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_DIR=str(out / "ckpt"), **settings)
+    return launch(out / "launch.log", 2, ACCELERATE, [str(out)], env=env)
+
+
+def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(tmp_path: Path) -> None:
+    code, output = accelerate(tmp_path / "reference")
+    assert code == 0, output[-6000:]
+    code, output = accelerate(tmp_path / "run", ACCELERATE_RESILIENCE_EVERY_N_STEPS="4", TRAIN_VICTIM="1:7")
+    assert code == 0, output[-6000:]
+    assert "survivor save of step 7 by ranks [0] (lost: [1]): committed" in output
+    resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
+    assert [r["global_step"] for r in resumed] == [0, 0, 7, 7], output[-6000:]
+    for rank in (0, 1):
+        got = torch.load(tmp_path / "run" / f"final-rank{rank}.pt", weights_only=False)
+        want = torch.load(tmp_path / "reference" / f"final-rank{rank}.pt", weights_only=False)
+        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    # rank 0's ledger: the survivor's incarnation ended asking for the restart, the next one began in place
+    report = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "report", str(tmp_path / "run" / "ckpt"), "--json"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    incarnations = json.loads(report.stdout)["incarnations"]
+    assert [inc["restart"] for inc in incarnations] == [None, "in place"]
+    assert incarnations[0]["end_reason"].startswith("restarting in place: rank(s) [1] lost; survivor save committed")
+    assert 0 < incarnations[1]["recovery_s"] < 60

@@ -1,0 +1,54 @@
+"""A rank under ``resilience launch`` that does, in each generation, what its test planned, and trains nothing.
+
+PROBE_PLAN is JSON: ``{"<generation>:<rank>": action}``; a rank without an entry ends well. Actions: ``die:N``
+(the process ends with code N at once, as a crash would), ``late-die:N`` (the same, after 1 s), ``fail`` (the
+script raises: the process stays and waits for the next generation), ``hang`` (sleeps, until ended), ``evict:R``
+(asks the launcher to end rank R, then fails), ``stop:N`` (an agreed stop: ``sys.exit(N)``), ``sigterm`` (waits;
+SIGTERM makes it leave with 75, as a preempted rank does). Each generation prints one PROBE line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from resilience import inplace
+from resilience.goodput.ledger import process_start_time
+
+rank, generation = int(os.environ["RANK"]), inplace.generation()
+print(
+    "PROBE "
+    + json.dumps(
+        {
+            "rank": rank,
+            "generation": generation,
+            "pid": os.getpid(),
+            "started": process_start_time(),
+            "began": float(os.environ["RESILIENCE_GENERATION_BEGAN"]),
+        }
+    ),
+    flush=True,
+)
+action = json.loads(os.environ.get("PROBE_PLAN", "{}")).get(f"{generation}:{rank}", "ok")
+kind, _, arg = action.partition(":")
+if kind == "die":
+    os._exit(int(arg))
+elif kind == "late-die":
+    time.sleep(1.0)
+    os._exit(int(arg))
+elif kind == "fail":
+    raise RuntimeError(f"rank {rank} fails in generation {generation}")
+elif kind == "hang":
+    time.sleep(600)
+elif kind == "evict":
+    inplace.evict([int(arg)])
+    raise RuntimeError(f"rank {arg} is hung")
+elif kind == "stop":
+    sys.exit(int(arg))
+elif kind == "sigterm":
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
+    print(f"READY {rank}", flush=True)
+    time.sleep(600)
