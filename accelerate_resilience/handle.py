@@ -23,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accelerate_resilience import compat, snapshot
 from accelerate_resilience.plugin import ResiliencePlugin
+from resilience import inplace
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
@@ -286,7 +287,7 @@ class ResilienceHandle:
         if not self._closed:
             self._closed = True
             sys.excepthook = self._excepthook_before
-            if self.session.started:
+            if self.session.started and not inplace.requested():  # after a lost peer: no collective
                 self._boundary()  # the last step: no batch after it ended it
             self._release()
             if self.session.stopping is not None:
