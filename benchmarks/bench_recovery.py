@@ -1,7 +1,9 @@
 """Recovery from a lost rank: restart in place against a full relaunch and Lightning's defaults (issue 17).
 
 Each job is a 2-rank Lightning DDP fit on CPU (gloo) of 8 x Linear(w, w) + Adam (w from --size-gb) on a plain
-DataLoader, saving every --every steps. Three ways back after rank 1 is SIGKILLed:
+DataLoader, saving every --every steps; each step also sleeps --step-s, standing in for accelerator time (the
+CPU is free meanwhile), so that 800 steps take a few minutes and meet several failures. Three ways back after
+rank 1 is SIGKILLed:
 
 - ``in place``: ours (``strategy="resilient_ddp"``, ``ResilientCheckpointIO``, ``AutoResume``,
   ``PeriodicCheckpoint``) under ``resilience launch``: the survivor saves the last completed step, a warm spare
@@ -84,7 +86,12 @@ def worker(args: argparse.Namespace) -> None:
             if trainer.is_global_zero:
                 _append(root / EVENTS, {"t": time.time(), "step": trainer.global_step, "generation": generation})
 
-    model = Net(width_for(args.size_gb))
+    class Sleepy(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            time.sleep(args.step_s)  # accelerator time: the CPU is free meanwhile, as while a GPU computes
+            return super().training_step(batch, batch_idx)
+
+    model = Sleepy(width_for(args.size_gb))
     data = loader(model.width, args.steps)
     if args.worker == LIGHTNING:
         names = ModelCheckpoint(dirpath=root / "names", every_n_train_steps=args.every, save_last=True)
@@ -110,7 +117,14 @@ class Job:
     def command(self, first: bool) -> list[str]:
         worker = ["-m", "benchmarks.bench_recovery", "--worker", LIGHTNING if self.variant == LIGHTNING else "ours"]
         worker += ["--dir", str(self.root), "--size-gb", str(self.args.size_gb), "--every", str(self.args.every)]
-        worker += ["--steps", str(self.args.steps), "--threads", str(self.args.threads)]
+        worker += [
+            "--steps",
+            str(self.args.steps),
+            "--threads",
+            str(self.args.threads),
+            "--step-s",
+            str(self.args.step_s),
+        ]
         if first and self.fail_at is not None:
             worker += ["--fail-at", str(self.fail_at)]
         if self.variant == IN_PLACE:
@@ -225,6 +239,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=50, help="a save every N steps (default %(default)s)")
     p.add_argument("--steps", type=int, default=800, help="steps of the goodput run (default %(default)s)")
     p.add_argument("--fail-every-s", type=float, default=60.0, help="goodput run: a kill about this often")
+    p.add_argument("--step-s", type=float, default=0.25, help="sleep per step, for accelerator time (default 0.25)")
     p.add_argument("--bound-s", type=float, default=3600.0, help="a variant's goodput run may take this long")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--worker", choices=("ours", LIGHTNING), help=argparse.SUPPRESS)
@@ -239,8 +254,9 @@ def main() -> None:
     report = Report(
         "Recovery from a lost rank: restart in place, relaunch, Lightning's defaults (issue 17)",
         f"2-rank Lightning DDP on CPU (gloo), 8 x Linear({width}) + Adam ({args.size_gb} GB of state), a plain "
-        f"DataLoader, a save every {args.every} steps; rank 1 SIGKILLed",
+        f"DataLoader, a save every {args.every} steps, {args.step_s} s of sleep per step; rank 1 SIGKILLed",
     )
+    goodput_steps = args.steps
     with scratch(args.dir, "recovery") as parent:
         if args.part in ("first-step", "both"):
             args.steps = 3 * args.every
@@ -271,7 +287,7 @@ def main() -> None:
                 rows,
             )
         if args.part in ("goodput", "both"):
-            args.steps = int(p.get_default("steps")) if args.part == "both" else args.steps
+            args.steps = goodput_steps
             schedule, at = [], 0.0
             while at < args.bound_s:
                 at += rng.uniform(0.75, 1.25) * args.fail_every_s

@@ -82,6 +82,12 @@ BENCHES = (
     ),
     Bench("goodput", "benchmarks.bench_goodput_overhead", quick=("--pairs", "5"), takes_dir=False),
     Bench("lost-work", "benchmarks.bench_lost_work", quick=("--failures", "1", "--every", "5")),
+    Bench(
+        "recovery",
+        "benchmarks.bench_recovery",
+        quick=("--size-gb", Q, "--every", "10", "--repeats", "1", "--steps", "60", "--fail-every-s", "15"),
+        timeout_s=5400,
+    ),
     Bench("sharded", "benchmarks.bench_sharded", quick=("--size-gb", Q, "--saves", "2")),
 )
 GPU = Bench("gpu", "benchmarks.bench_gpu", quick=("--quick",), takes_dir=False, timeout_s=480)
