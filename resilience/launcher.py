@@ -48,6 +48,7 @@ from resilience.inplace import (
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
+PR_SET_PDEATHSIG = 1  # prctl(2)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -209,7 +210,9 @@ class Launcher:
             spare.stdin.close()
             proc = spare
         else:
-            proc = subprocess.Popen(self._command(spare=False), env={**self._base_env(), **env})
+            proc = subprocess.Popen(
+                self._command(spare=False), env={**self._base_env(), **env}, preexec_fn=_end_with_launcher
+            )
         self.job.workers[rank] = _Worker(rank, proc)
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
@@ -224,7 +227,12 @@ class Launcher:
         left = self.config.max_restarts - self.job.restarts
         while len(self.job.spares) < min(self.config.spares, left):
             self.job.spares.append(
-                subprocess.Popen(self._command(spare=True), env=self._base_env(), stdin=subprocess.PIPE)
+                subprocess.Popen(
+                    self._command(spare=True),
+                    env=self._base_env(),
+                    stdin=subprocess.PIPE,
+                    preexec_fn=_end_with_launcher,
+                )
             )
 
     # ---- the job ---------------------------------------------------------------------------------------------
@@ -379,6 +387,16 @@ class Launcher:
             return job.failed
         failed = [code for code in codes if code != 0]
         return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
+
+
+def _end_with_launcher() -> None:
+    """In a rank's process, before it runs: SIGTERM when the launcher dies (Linux's parent-death signal), so a
+    launcher killed outright (kill -9, an out-of-memory kill) leaves no rank training on unwatched; SIGTERM, not
+    SIGKILL, so that a rank with the health guard still makes its emergency save."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _describe(code: int) -> str:

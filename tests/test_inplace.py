@@ -27,6 +27,7 @@ import torch
 
 from resilience.inplace import Target
 from resilience.launcher import auto_preload
+from resilience.owners import process_start_ticks
 from tests.helpers import ROOT, WORKERS, base_env, kill_tree
 
 PROBE = WORKERS / "launch_probe.py"
@@ -135,6 +136,27 @@ def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
     finally:
         kill_tree(proc)
     assert proc.returncode == 75, log.read_text()
+
+
+def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """kill -9 of the launcher itself: its ranks get SIGTERM (the parent-death signal), as from a scheduler."""
+    plan = {"0:0": "sigterm", "0:1": "sigterm"}
+    log = tmp_path / "log"
+    proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while log.read_text().count("READY") < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        pids = [r["pid"] for r in lines(log.read_text(), "PROBE")]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while any(process_start_ticks(pid) is not None for pid in pids):
+            assert time.monotonic() < deadline, "a rank outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        kill_tree(proc)
 
 
 def test_a_spare_preloads_the_scripts_libraries_but_never_the_users_own_modules() -> None:
