@@ -19,6 +19,7 @@ same code on every rank keeps those collectives matched by construction.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -37,6 +38,8 @@ ENV_STORE = "RESILIENCE_LAUNCH_STORE"  # host:port of the launcher's store; set 
 ENV_GENERATION = "RESILIENCE_GENERATION"  # the generation this process trains in
 ENV_BEGAN = "RESILIENCE_GENERATION_BEGAN"  # unix time this process was given its generation (its account begins)
 ENV_STOP_CODES = "RESILIENCE_STOP_CODES"  # exit codes of an agreed stop: the rank leaves, no restart in place
+ENV_LAUNCHER_PID = "RESILIENCE_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 EXIT_INTERRUPTED = 130
 NEXT_GENERATION_WAIT_S = 600.0  # how long survivors wait for the launcher to replace the lost rank
 
@@ -256,6 +259,20 @@ def run(target: Target) -> NoReturn:
         )
 
 
+def _end_with_launcher() -> None:
+    """SIGTERM this process when the launcher dies (Linux's parent-death signal), so that a launcher killed outright
+    (kill -9, an out-of-memory kill) leaves no rank training unwatched; SIGTERM, not SIGKILL, so that a rank with
+    the health guard still makes its emergency save. Set here, in the child, rather than between fork and exec,
+    where the launcher's store threads make running Python unsafe."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.environ.get(ENV_LAUNCHER_PID) not in (None, str(os.getppid())):
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before the signal was set
+
+
 def _preload(modules: Iterable[str]) -> None:
     """Import what the script will import, before a rank is assigned (a warm spare's whole point)."""
     for name in modules:
@@ -271,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser.add_argument("--preload", default="", help="modules a spare imports before it is assigned (comma list)")
     parser.add_argument("target", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    _end_with_launcher()
     target = Target.parse(args.target[1:] if args.target[:1] == ["--"] else args.target)
     if args.spare:
         _preload(m for m in args.preload.split(",") if m)

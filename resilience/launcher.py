@@ -36,6 +36,7 @@ from resilience.errors import ConfigError
 from resilience.inplace import (
     ENV_BEGAN,
     ENV_GENERATION,
+    ENV_LAUNCHER_PID,
     ENV_STOP_CODES,
     ENV_STORE,
     Generation,
@@ -48,7 +49,6 @@ from resilience.inplace import (
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
-PR_SET_PDEATHSIG = 1  # prctl(2)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -191,6 +191,7 @@ class Launcher:
         env = dict(os.environ)
         env[ENV_STORE] = f"{self.config.master_addr}:{self._store_port}"
         env[ENV_STOP_CODES] = ",".join(map(str, self.config.stop_codes))
+        env[ENV_LAUNCHER_PID] = str(os.getpid())
         env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several ranks on one node
         return env
 
@@ -210,9 +211,7 @@ class Launcher:
             spare.stdin.close()
             proc = spare
         else:
-            proc = subprocess.Popen(
-                self._command(spare=False), env={**self._base_env(), **env}, preexec_fn=_end_with_launcher
-            )
+            proc = subprocess.Popen(self._command(spare=False), env={**self._base_env(), **env})
         self.job.workers[rank] = _Worker(rank, proc)
 
     def _take_spare(self) -> subprocess.Popen[bytes] | None:
@@ -227,12 +226,7 @@ class Launcher:
         left = self.config.max_restarts - self.job.restarts
         while len(self.job.spares) < min(self.config.spares, left):
             self.job.spares.append(
-                subprocess.Popen(
-                    self._command(spare=True),
-                    env=self._base_env(),
-                    stdin=subprocess.PIPE,
-                    preexec_fn=_end_with_launcher,
-                )
+                subprocess.Popen(self._command(spare=True), env=self._base_env(), stdin=subprocess.PIPE)
             )
 
     # ---- the job ---------------------------------------------------------------------------------------------
@@ -387,16 +381,6 @@ class Launcher:
             return job.failed
         failed = [code for code in codes if code != 0]
         return (failed[0] if failed[0] > 0 else 128 - failed[0]) if failed else 0
-
-
-def _end_with_launcher() -> None:
-    """In a rank's process, before it runs: SIGTERM when the launcher dies (Linux's parent-death signal), so a
-    launcher killed outright (kill -9, an out-of-memory kill) leaves no rank training on unwatched; SIGTERM, not
-    SIGKILL, so that a rank with the health guard still makes its emergency save."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _describe(code: int) -> str:
