@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO, calling_trainer, live_checkpoint_ios
@@ -104,8 +105,8 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._replay_seed_draws:
-            # After validation, the saved run built each training loader's next-epoch iterator, and each drew a
-            # seed from the global generator; the resumed run built its iterators before training started.
+            # After validation, the saved run built each training loader's next-epoch iterator, and some of those
+            # drew a seed from the global generator; the resumed run built its iterators before training started.
             self._replay_seed_draws = False
             for loader in _loaders(trainer.train_dataloader):
                 if getattr(loader, "generator", None) is None:
@@ -162,6 +163,22 @@ def _warn_if_order_is_not_resumable(trainer: pl.Trainer) -> None:
             "distributed sampler wrapper. For exact resume, build the loader with torchdata's "
             "StatefulDistributedSampler and set Trainer(use_distributed_sampler=False) (see docs/LIGHTNING.md)"
         )
+
+
+def _draws_a_seed_each_epoch(loader: Any) -> bool:
+    """Whether starting an epoch of ``loader`` takes a number from the global generator.
+
+    A ``DataLoader`` (torchdata's ``StatefulDataLoader`` is one) makes a new iterator for each epoch, and the
+    iterator draws its workers' base seed from the loader's ``generator``, the global one when that is None; a
+    sampler's own generator does not change it. With persistent workers the iterator is made once and reset
+    for later epochs, drawing nothing. Any other iterable is left alone: nothing says what making its iterator
+    draws, and most draw nothing.
+    """
+    return (
+        isinstance(loader, DataLoader)
+        and loader.generator is None
+        and not (loader.persistent_workers and loader.num_workers > 0)
+    )
 
 
 def _loaders(train_dataloader: Any) -> list[Any]:

@@ -61,21 +61,33 @@ def evictions_key(generation: int) -> str:
     return f"evictions/{generation}"
 
 
+def failed_key(generation: int) -> str:
+    """Set by a node's launcher once a rank of ``generation`` is lost or waits: every node starts recovering."""
+    return f"failed/{generation}"
+
+
+def ready_key(generation: int, node: int) -> str:
+    """Set by node ``node``'s launcher once every live rank there waits: JSON, the ranks it lost."""
+    return f"ready/{generation}/{node}"
+
+
 @dataclass(frozen=True)
 class Generation:
-    """What the launcher announces for one generation: its rendezvous port, or that the job stops."""
+    """What the launcher announces for one generation: its rendezvous port and how many restarts the job has made,
+    or the code the job ends with."""
 
     number: int
     port: int | None = None
     stop_code: int | None = None
+    restarts: int = 0
 
     def encode(self) -> str:
-        return json.dumps({"port": self.port, "stop_code": self.stop_code})
+        return json.dumps({"port": self.port, "stop_code": self.stop_code, "restarts": self.restarts})
 
     @classmethod
     def decode(cls, number: int, text: bytes | str) -> Generation:
         body = json.loads(text)
-        return cls(number, body.get("port"), body.get("stop_code"))
+        return cls(number, body.get("port"), body.get("stop_code"), int(body.get("restarts", 0)))
 
 
 _requested: str | None = None  # why this process restarts in place once its script ends
@@ -233,6 +245,7 @@ def run(target: Target) -> NoReturn:
         _close_generation()  # first: peers still blocked in a collective with this rank now fail, and wait too
         try:
             store().set(waiting_key(number, int(os.environ["RANK"])), str(code))
+            store().set(failed_key(number), "1")
         except Exception as exc:
             log.error("the launcher's store is gone (%s): this rank ends", exc)
             sys.exit(code or 1)

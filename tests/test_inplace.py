@@ -28,7 +28,7 @@ import torch
 from resilience.inplace import Target
 from resilience.launcher import auto_preload
 from resilience.owners import process_start_ticks
-from tests.helpers import ROOT, WORKERS, base_env, kill_tree
+from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 
 PROBE = WORKERS / "launch_probe.py"
 LIGHTNING = WORKERS / "lightning_train.py"
@@ -159,6 +159,53 @@ def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:
         kill_tree(proc)
 
 
+def nodes(tmp: Path, plan: dict[str, str], **options: Any) -> list[subprocess.Popen[str]]:
+    """Two launchers on this host as two nodes of one rank each, sharing node 0's store."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {"PROBE_PLAN": json.dumps(plan)}
+    return [
+        start(tmp / f"node-{n}.log", 1, PROBE, env=env, nnodes=2, node_rank=n, rdzv_endpoint=endpoint, **options)
+        for n in (0, 1)
+    ]
+
+
+def wait_all(procs: list[subprocess.Popen[str]], tmp: Path) -> list[int]:
+    try:
+        for proc in procs:
+            proc.wait(timeout=TIMEOUT_S)
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    return [proc.returncode for proc in procs]
+
+
+def test_two_nodes_each_replace_their_own_lost_rank(tmp_path: Path) -> None:
+    codes = wait_all(nodes(tmp_path, {"0:1": "late-die:3", "0:0": "fail"}), tmp_path)
+    output = (tmp_path / "node-0.log").read_text() + (tmp_path / "node-1.log").read_text()
+    assert codes == [0, 0], output
+    seen = by_generation(lines(output, "PROBE"))
+    assert set(seen) == {(0, 0), (0, 1), (1, 0), (1, 1)}, output
+    assert seen[1, 0]["pid"] == seen[0, 0]["pid"] and seen[1, 1]["pid"] != seen[0, 1]["pid"]
+    assert "generation 1: rank(s) [1] replaced" in (tmp_path / "node-1.log").read_text()
+    assert "generation 1: rank(s) [] replaced" in (tmp_path / "node-0.log").read_text()
+
+
+def test_a_node_lost_whole_ends_the_job_for_the_scheduler(tmp_path: Path) -> None:
+    """Node 1's launcher and rank are killed: nobody can replace rank 1, so node 0 gives up with 75."""
+    procs = nodes(tmp_path, {"0:1": "hang", "0:0": "fail"}, recovery_timeout_s=2, spares=0)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(lines((tmp_path / "node-1.log").read_text(), "PROBE")) < 1:
+            assert time.monotonic() < deadline, (tmp_path / "node-1.log").read_text()
+            time.sleep(0.05)
+        kill_tree(procs[1])
+    finally:
+        codes = wait_all(procs, tmp_path)
+    output = (tmp_path / "node-0.log").read_text()
+    assert codes[0] == 75, output
+    assert "a node's launcher did not answer after the failure" in output
+
+
 def test_a_spare_preloads_the_scripts_libraries_but_never_the_users_own_modules() -> None:
     found = auto_preload(Target.parse([str(LIGHTNING)]))
     assert "torch" in found and "lightning.pytorch" in found
@@ -279,3 +326,37 @@ def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(
     assert [inc["restart"] for inc in incarnations] == [None, "in place"]
     assert incarnations[0]["end_reason"].startswith("restarting in place: rank(s) [1] lost; survivor save committed")
     assert 0 < incarnations[1]["recovery_s"] < 60
+
+
+def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_last_commit(tmp_path: Path) -> None:
+    """Each node its own local root, one durable URL: no survivor save (no local tier both ranks see), so the
+    job restarts in place from the last commit (step 4), rank 1 in a spare on its own node, and ends bit-exact."""
+    code, output = accelerate(tmp_path / "reference")
+    assert code == 0, output[-6000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = []
+    for node in (0, 1):
+        env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
+        env.update(
+            HF_HOME=str(out / "hf-home"),
+            ACCELERATE_RESILIENCE_LOCAL_DIR=str(out / f"node-{node}"),
+            ACCELERATE_RESILIENCE_DURABLE_URL=(out / "durable").as_uri(),
+            ACCELERATE_RESILIENCE_EVERY_N_STEPS="4",
+            TRAIN_VICTIM="1:7",
+        )
+        log = out / f"node-{node}.log"
+        procs.append(start(log, 1, ACCELERATE, [str(out)], env=env, nnodes=2, node_rank=node, rdzv_endpoint=endpoint))
+    codes = wait_all(procs, out)
+    output = (out / "node-0.log").read_text() + (out / "node-1.log").read_text()
+    assert codes == [0, 0], output[-6000:]
+    assert "survivor saves need a local tier every rank sees" in output
+    resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
+    assert sorted(r["global_step"] for r in resumed) == [0, 0, 4, 4], output[-6000:]
+    for rank in (0, 1):
+        got = torch.load(out / f"final-rank{rank}.pt", weights_only=False)
+        want = torch.load(tmp_path / "reference" / f"final-rank{rank}.pt", weights_only=False)
+        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"

@@ -1,6 +1,6 @@
 """The Lightning adapter through real Trainer runs as subprocesses: kill -9 and relaunch, bit-exact resume,
 2-rank DDP with every rank writing, corrupt checkpoints skipped, SIGTERM and injected GPU faults, torchrun
-restarts, and LightningCLI."""
+restarts, and LightningCLI; in one process, the random numbers after a resume at an epoch end."""
 
 from __future__ import annotations
 
@@ -10,12 +10,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
 
+from examples.demo_model import DemoModel, Points
+from lightning_resilience import AutoResume, PeriodicCheckpoint, ResilientCheckpointIO
 from resilience.cli import main as resilience_cli
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 
@@ -93,6 +98,70 @@ def test_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: Path, 
     with open(tmp_path / "logs" / "version_0" / "metrics.csv") as handle:
         logged = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train_loss")]
     assert logged == list(range(resumes_at, 20))
+
+
+class FixedBatches:
+    """A training iterable that is no DataLoader: the same batches every epoch, no random number drawn."""
+
+    def __init__(self) -> None:
+        self.data = Points()
+
+    def __len__(self) -> int:
+        return len(self.data) // 4
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(self.data), 4):
+            yield self.data.x[start : start + 4], self.data.y[start : start + 4]
+
+
+class TwoLoaders(DemoModel):
+    """Trains on a shuffled ``StatefulDataLoader`` (a seed drawn each epoch) and, at once, on a loader whose new
+    epoch draws nothing from the global generator."""
+
+    def __init__(self, other: str) -> None:
+        super().__init__()
+        self.other = other
+
+    def train_dataloader(self) -> dict[str, Any]:
+        data = Points()
+        if self.other == "iterable":
+            other: Any = FixedBatches()
+        else:  # its iterator is made once and only reset for the next epoch
+            other = StatefulDataLoader(data, batch_size=4, shuffle=True, num_workers=1, persistent_workers=True)
+        return {"shuffled": StatefulDataLoader(data, batch_size=4, shuffle=True), "other": other}
+
+    def training_step(self, batch: dict[str, tuple[torch.Tensor, torch.Tensor]], batch_idx: int) -> torch.Tensor:
+        return torch.stack([DemoModel.training_step(self, pair, batch_idx) for pair in batch.values()]).sum()
+
+
+def fit_two_loaders(root: Path, other: str, max_steps: int) -> tuple[pl.Trainer, dict[str, torch.Tensor]]:
+    pl.seed_everything(5)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(root / "ckpt"))],
+        callbacks=[AutoResume(), PeriodicCheckpoint(every_n_steps=4)],
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    model = TwoLoaders(other)
+    trainer.fit(model)
+    return trainer, model.state_dict()
+
+
+@pytest.mark.parametrize("other", ["iterable", "persistent-workers"])
+def test_a_resume_at_an_epoch_end_replays_only_the_seeds_the_saved_run_drew(tmp_path: Path, other: str) -> None:
+    """The saved run's next epoch drew one seed (the shuffled loader's new iterator), not one per loader."""
+    _, straight = fit_two_loaders(tmp_path / "straight", other, 20)
+    fit_two_loaders(tmp_path / "run", other, 12)  # 12 batches per epoch: saved after the last of epoch 0
+    resumed, params = fit_two_loaders(tmp_path / "run", other, 20)
+    assert isinstance(resumed.strategy.checkpoint_io, ResilientCheckpointIO)
+    assert resumed.strategy.checkpoint_io.resumed_at_epoch_end
+    for key, value in straight.items():
+        assert torch.equal(value, params[key]), f"{key} differs from the uninterrupted run"
 
 
 def test_first_launch_starts_fresh_quietly(tmp_path: Path) -> None:
