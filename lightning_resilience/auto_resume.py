@@ -109,7 +109,7 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
             # drew a seed from the global generator; the resumed run built its iterators before training started.
             self._replay_seed_draws = False
             for loader in _loaders(trainer.train_dataloader):
-                if getattr(loader, "generator", None) is None:
+                if _draws_a_seed_each_epoch(loader):
                     torch.empty((), dtype=torch.int64).random_()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
