@@ -62,12 +62,14 @@ def evictions_key(generation: int) -> str:
 
 
 def failed_key(generation: int) -> str:
-    """Set by a node's launcher once a rank of ``generation`` is lost or waits: every node starts recovering."""
+    """Set once a rank of ``generation`` is lost (by its node's launcher) or waits (by the rank itself): from then
+    on every node's launcher recovers."""
     return f"failed/{generation}"
 
 
 def ready_key(generation: int, node: int) -> str:
-    """Set by node ``node``'s launcher once every live rank there waits: JSON, the ranks it lost."""
+    """Set by node ``node``'s launcher once every live rank there waits: JSON, the ranks it lost and those whose
+    script ended well."""
     return f"ready/{generation}/{node}"
 
 
