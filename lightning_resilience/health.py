@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience import env_settings as env
@@ -54,13 +53,5 @@ class HealthGuardCallback(SessionCallback):
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         session.use_health(self.config)  # collective: the agreement's gloo group
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        session = self._session
-        try:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        finally:  # kept after the fit, whose end drops the session
-            if session is not None:
-                self.last_emergency = session.last_emergency
+    def keep_after_fit(self, session: TrainingSession) -> None:
+        self.last_emergency = session.last_emergency

@@ -27,6 +27,10 @@ class SessionCallback(Callback):
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         """Add this callback's part to the session (before training starts); collective where it must be."""
 
+    def keep_after_fit(self, session: TrainingSession) -> None:
+        """Copy from ``session`` what this callback still tells after the fit, whose end drops the session;
+        called after every training batch, also one whose boundary stops the run."""
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -59,13 +63,16 @@ class SessionCallback(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         session = self._session
-        if session is None or not session.started:
+        if session is None:
             return
-        # only at optimizer-step boundaries (global_step moved): a save mid-accumulation would lose gradients
-        if session.last_step != trainer.global_step:
-            boundary = session.step_end(trainer.global_step)
-            if boundary.stop is not None:
-                session.exit()  # SystemExit with the stop's code, after the ledger and loggers are done
+        try:
+            # only at optimizer-step boundaries (global_step moved): a save mid-accumulation would lose gradients
+            if session.started and session.last_step != trainer.global_step:
+                boundary = session.step_end(trainer.global_step)
+                if boundary.stop is not None:
+                    session.exit()  # SystemExit with the stop's code, after the ledger and loggers are done
+        finally:
+            self.keep_after_fit(session)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
