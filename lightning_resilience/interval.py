@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience.docstrings import document
+from resilience.goodput import IntervalPlan
 from resilience.session import IntervalConfig, TrainingSession
 
 
@@ -23,8 +24,9 @@ class PeriodicCheckpoint(SessionCallback):
     and MTBF is given, observed from the run's restarts in its goodput ledger, or a prior per GPU; it is clamped
     to ``[min_interval_s, max_interval_s]`` and turned into steps with the measured step time. Rank 0 plans and
     every rank follows, so all save at the same step. The plan is logged after each save; it is kept in the
-    checkpoint, so a resumed run goes on with it instead of measuring again. The saves make no ``.ckpt`` name
-    (``ModelCheckpoint`` does that); ``AutoResume`` and ``resilience ls`` see them.
+    checkpoint (also in one saved after ``fit()``), so a resumed run goes on with it instead of measuring again.
+    The saves make no ``.ckpt`` name (``ModelCheckpoint`` does that); ``AutoResume`` and ``resilience ls`` see
+    them.
     """
 
     def __init__(
@@ -37,14 +39,21 @@ class PeriodicCheckpoint(SessionCallback):
     ) -> None:
         self.config = IntervalConfig(every_n_steps, mtbf_hours, min_interval_s, max_interval_s, warmup_steps)
         self._restored: dict[str, Any] | None = None
+        self._kept_plan: IntervalPlan | None = None
+        self._kept_state: dict[str, Any] = {}
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         session.use_interval(self.config)
 
     @property
     def last_plan(self) -> dict[str, Any] | None:
-        plan = self._session.last_plan if self._session is not None else None
+        """The last ``"auto"`` plan (interval, cost, MTBF and what they came from); still there after the fit."""
+        plan = self._session.last_plan if self._session is not None else self._kept_plan
         return plan.to_dict() if plan is not None else None
+
+    def keep_after_fit(self, session: TrainingSession) -> None:
+        """A save after the fit keeps the plan, so a run resumed from it goes on with it."""
+        self._kept_plan, self._kept_state = session.last_plan, session.interval_state()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -54,7 +63,7 @@ class PeriodicCheckpoint(SessionCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return self._session.interval_state() if self._session is not None else {}
+        return self._session.interval_state() if self._session is not None else dict(self._kept_state)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

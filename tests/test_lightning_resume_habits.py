@@ -104,6 +104,41 @@ def test_a_resumed_run_keeps_a_version_the_user_chose(tmp_path: Path) -> None:
     assert any("logs this resumed run as 'mine', the saved run as 0" in str(w.message) for w in caught)
 
 
+def test_a_save_after_fit_keeps_the_auto_interval_for_the_run_resumed_from_it(tmp_path: Path) -> None:
+    """The plan made in the fit is still there after it, and a run resumed from a save made then goes on with it
+    instead of warming up again (which would save 5 steps after the resume)."""
+
+    def trainer(max_steps: int) -> tuple[pl.Trainer, PeriodicCheckpoint]:
+        pl.seed_everything(3)
+        # an hour between saves, at a few milliseconds a step: after the first save (step 5), no other in this test
+        interval = PeriodicCheckpoint(every_n_steps="auto", min_interval_s=3600.0, max_interval_s=3600.0)
+        made = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            plugins=[ResilientCheckpointIO(str(tmp_path / "ckpt"))],
+            callbacks=[interval],
+            enable_checkpointing=False,
+            logger=False,
+            max_steps=max_steps,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )
+        return made, interval
+
+    first, interval = trainer(8)
+    first.fit(DemoModel(), DemoData())
+    plan = interval.last_plan
+    assert plan is not None and plan["interval_steps"] > 16, plan
+    first.save_checkpoint(tmp_path / "after-fit.ckpt")
+
+    resumed, _ = trainer(16)
+    resumed.fit(DemoModel(), DemoData(), ckpt_path=tmp_path / "after-fit.ckpt")
+    assert resumed.global_step == 16
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ckpt").glob("step-*"))
+    assert saved == [5, 8], "the resumed run saved again at the end of a new warm-up"
+
+
 _SCRIPT = """
 import logging, sys
 import lightning.pytorch as pl
