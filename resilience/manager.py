@@ -894,6 +894,9 @@ def _abandon_open() -> None:
 
 
 inplace.before_next_generation(_abandon_open)
+# A forked child (a DataLoader worker) inherits the open engines, and threading's exit hooks run when it ends:
+# closing them there would close the parent's helper over the inherited connection. They are not the child's.
+os.register_at_fork(after_in_child=_OPEN.clear)
 
 
 @functools.cache

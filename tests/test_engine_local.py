@@ -444,6 +444,23 @@ def test_a_resting_engine_holds_no_helper_or_thread_and_the_next_save_starts_one
     assert torch.equal(restored.state["model"]["w"], make_state(2)["model"]["w"])  # type: ignore[index]
 
 
+def test_a_forked_child_leaves_the_parents_engine_alone(tmp_path: Path) -> None:
+    """A DataLoader worker is a forked child that runs threading's exit hooks when it ends: the engine's exit
+    hook, inherited, closed the parent's helper from there (over the inherited connection), and the parent's
+    next save then waited forever."""
+    import multiprocessing
+
+    with manager(tmp_path / "ckpt", persist="process") as m:
+        first = m.save(1, make_state(1))
+        assert first is not None and first.committed.result(60).step == 1
+        child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0.1,))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
+        handle = m.save(2, make_state(2))
+        assert handle is not None and handle.committed.result(60).step == 2
+
+
 def test_a_dead_helper_stops_training_when_so_configured(tmp_path: Path) -> None:
     import signal
 
