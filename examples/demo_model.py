@@ -65,24 +65,26 @@ class DemoData(pl.LightningDataModule):
             ``Trainer(use_distributed_sampler=False)``), whose position is part of the loader's state.
             ``"lightning"``: ``StatefulDataLoader(shuffle=True)``, and Lightning inserts its distributed sampler
             wrapper under DDP. ``"plain"``: a ``torch.utils.data.DataLoader``, which has no position to save.
+        num_workers: The loader's worker processes.
     """
 
-    def __init__(self, batch_size: int = 4, size: int = 48, loader: str = "stateful") -> None:
+    def __init__(self, batch_size: int = 4, size: int = 48, loader: str = "stateful", num_workers: int = 0) -> None:
         super().__init__()
         if loader not in ("stateful", "lightning", "plain"):
             raise ValueError(f"loader={loader!r}: use 'stateful', 'lightning' or 'plain'")
         self.batch_size = batch_size
         self.size = size
         self.loader = loader
+        self.num_workers = num_workers
 
     def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
         data = Points(self.size)
         if self.loader == "plain":
-            return DataLoader(data, batch_size=self.batch_size, shuffle=True)
+            return DataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
         if self.loader == "stateful" and self.trainer is not None and self.trainer.world_size > 1:
             # the strategy's data-parallel ranks: under tensor parallelism the ranks of a group share batches
             sampler = StatefulDistributedSampler(
                 data, shuffle=True, seed=0, **self.trainer.strategy.distributed_sampler_kwargs
             )
-            return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler)
-        return StatefulDataLoader(data, batch_size=self.batch_size, shuffle=True)
+            return StatefulDataLoader(data, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        return StatefulDataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)

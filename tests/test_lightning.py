@@ -83,6 +83,14 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "final.pt"
 
 
+def test_a_fit_with_data_loader_workers_saves_every_interval_to_the_end(tmp_path: Path) -> None:
+    """Each epoch's worker processes are forked from the training process and end with it: the engine they
+    inherit must stay the parent's (its helper was closed by the first worker to exit, and a save then hung)."""
+    done = train(tmp_path, "--workers", "1", "--max-steps", "36", timeout=120)  # 3 epochs: it hung at step 28
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert steps(tmp_path) == [28, 32, 36], steps(tmp_path)  # keep_last=3 of every 4 steps
+
+
 @pytest.mark.parametrize(("kill_at", "resumes_at"), [(10, 8), pytest.param(13, 12, marks=pytest.mark.slow)])
 def test_kill_9_and_relaunch_resumes_bit_exact(tmp_path: Path, reference: Path, kill_at: int, resumes_at: int) -> None:
     """Mid-epoch (step 8 of 12 per epoch) and at an epoch end (step 12): same parameters as never stopping."""

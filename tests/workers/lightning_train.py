@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--kill-at", type=int)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--loader", default="stateful", choices=["stateful", "lightning", "plain"])
+    p.add_argument("--workers", type=int, default=0, help="the data loader's worker processes")
     p.add_argument("--out", help="write the final parameters here (rank 0)")
     p.add_argument("--ckpt-path", help="pass this ckpt_path to fit()")
     p.add_argument("--async-staging", action="store_true")
@@ -147,7 +148,7 @@ def main() -> None:
         deterministic=True,
         use_distributed_sampler=args.loader != "stateful",
     )
-    trainer.fit(DemoModel(), DemoData(loader=args.loader), ckpt_path=args.ckpt_path)
+    trainer.fit(DemoModel(), DemoData(loader=args.loader, num_workers=args.workers), ckpt_path=args.ckpt_path)
     if args.out and trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}, args.out)
     print(f"FINISHED {trainer.global_step} {trainer.current_epoch}", flush=True)  # one write: ranks share stdout
