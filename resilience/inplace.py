@@ -73,6 +73,12 @@ def ready_key(generation: int, node: int) -> str:
     return f"ready/{generation}/{node}"
 
 
+def left_key(node: int) -> str:
+    """Set by node ``node``'s launcher once every rank there has left: node 0 hosts the store and keeps it up until
+    every node has said so, or a node still finishing would find the store gone."""
+    return f"left/{node}"
+
+
 @dataclass(frozen=True)
 class Generation:
     """What the launcher announces for one generation: its rendezvous port and how many restarts the job has made,

@@ -48,6 +48,7 @@ from resilience.inplace import (
     evictions_key,
     failed_key,
     generation_key,
+    left_key,
     ready_key,
     waiting_key,
 )
@@ -290,8 +291,15 @@ class Launcher:
                 self._start(rank, first)
             self._fill_spares()
             while self.job.workers or (self.job.dead and self.job.ended is None):  # ranks to replace still
-                self._watch()
+                try:
+                    self._watch()
+                except RuntimeError as exc:  # torch's DistNetworkError: the store on node 0 is gone
+                    if self.leader:
+                        raise
+                    self._host_lost(exc)
+                    break
                 time.sleep(POLL_S)
+            self._leave()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -300,6 +308,42 @@ class Launcher:
                     spare.kill()
                 spare.wait()
         return self._final_code()
+
+    def _leave(self) -> None:
+        """Say this node's ranks have all left; node 0 then keeps the store up until every node has (a node lost
+        meanwhile costs one recovery timeout at the job's end)."""
+        with contextlib.suppress(RuntimeError):
+            self._store.set(left_key(self.config.node_rank), "1")
+        if not self.leader:
+            return
+        keys = [left_key(node) for node in range(self.config.nnodes)]
+        deadline = time.monotonic() + self.config.recovery_timeout_s
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def _host_lost(self, exc: RuntimeError) -> None:
+        """Node 0's store went away while ranks here still ran (node 0 died, or its launcher was killed): nothing
+        can agree on a generation any more, so the ranks here are stopped and the job ends for the scheduler."""
+        log.error("the job's store on node 0 is gone (%s): stopping the ranks on this node", exc)
+        job = self.job
+        job.ended = Generation(job.generation.number + 1, stop_code=max(self.config.stop_codes, default=75))
+        deadline = time.monotonic() + self.config.stop_grace_s
+        for worker in job.workers.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, signal.SIGTERM)
+        for rank, worker in list(job.workers.items()):
+            try:
+                code = worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                worker.proc.kill()
+                code = worker.proc.wait()
+            del job.workers[rank]
+            if code == 0:
+                job.finished.add(rank)
+            else:
+                job.dead[rank] = code
+        if not job.dead:
+            job.ended = None  # every rank here had ended well: the job is done on this node
 
     def _announce(self, generation: Generation) -> Generation:
         """Announce ``generation`` unless one of that number stands already; the one that stands."""

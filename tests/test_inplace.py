@@ -122,32 +122,33 @@ def test_a_hung_rank_is_ended_on_its_peers_word(tmp_path: Path) -> None:
     assert seen[1, 0]["pid"] == seen[0, 0]["pid"] and seen[1, 1]["pid"] != seen[0, 1]["pid"]
 
 
+def ready_ranks(log: Path) -> subprocess.Popen[str]:
+    """A 2-rank launch whose ranks wait, each leaving with 75 on SIGTERM; returned once both are ready."""
+    proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps({"0:0": "sigterm", "0:1": "sigterm"})})
+    deadline = time.monotonic() + TIMEOUT_S
+    while log.read_text().count("READY") < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc)
+            raise AssertionError(log.read_text())
+        time.sleep(0.05)
+    return proc
+
+
 def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
-    plan = {"0:0": "sigterm", "0:1": "sigterm"}
-    log = tmp_path / "log"
-    proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    proc = ready_ranks(tmp_path / "log")
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while log.read_text().count("READY") < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         kill_tree(proc)
-    assert proc.returncode == 75, log.read_text()
+    assert proc.returncode == 75, (tmp_path / "log").read_text()
 
 
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:
     """kill -9 of the launcher itself: its ranks get SIGTERM (the parent-death signal), as from a scheduler."""
-    plan = {"0:0": "sigterm", "0:1": "sigterm"}
     log = tmp_path / "log"
-    proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    proc = ready_ranks(log)
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while log.read_text().count("READY") < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         pids = [r["pid"] for r in lines(log.read_text(), "PROBE")]
         proc.kill()
         proc.wait()
@@ -204,6 +205,31 @@ def test_a_node_lost_whole_ends_the_job_for_the_scheduler(tmp_path: Path) -> Non
     output = (tmp_path / "node-0.log").read_text()
     assert codes[0] == 75, output
     assert "a node's launcher did not answer after the failure" in output
+
+
+def test_node_0_keeps_the_store_up_until_every_node_has_left(tmp_path: Path) -> None:
+    """Node 0's rank ends at once, node 1's 3 s later: node 1's launcher still reads the store meanwhile (it
+    failed with a closed connection when node 0's launcher left first)."""
+    codes = wait_all(nodes(tmp_path, {"0:1": "linger"}), tmp_path)
+    output = (tmp_path / "node-0.log").read_text() + (tmp_path / "node-1.log").read_text()
+    assert codes == [0, 0], output
+
+
+def test_a_node_whose_store_host_is_lost_stops_its_ranks_for_the_scheduler(tmp_path: Path) -> None:
+    """Node 0 (launcher, rank and the job's store) is killed: node 1 cannot agree on anything any more, so it
+    stops its rank (SIGTERM: the rank leaves with 75) and ends with 75 instead of a traceback."""
+    procs = nodes(tmp_path, {"0:0": "hang", "0:1": "sigterm"}, spares=0)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while "READY" not in (tmp_path / "node-1.log").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "node-1.log").read_text()
+            time.sleep(0.05)
+        kill_tree(procs[0])
+    finally:
+        codes = wait_all(procs, tmp_path)
+    output = (tmp_path / "node-1.log").read_text()
+    assert codes[1] == 75, output
+    assert "the job's store on node 0 is gone" in output
 
 
 def test_a_spare_preloads_the_scripts_libraries_but_never_the_users_own_modules() -> None:

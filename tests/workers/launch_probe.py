@@ -1,10 +1,11 @@
 """A rank under ``resilience launch`` that does, in each generation, what its test planned, and trains nothing.
 
-PROBE_PLAN is JSON: ``{"<generation>:<rank>": action}``; a rank without an entry ends well. Actions: ``die:N``
-(the process ends with code N at once, as a crash would), ``late-die:N`` (the same, after 1 s), ``fail`` (the
-script raises: the process stays and waits for the next generation), ``hang`` (sleeps, until ended), ``evict:R``
-(asks the launcher to end rank R, then fails), ``stop:N`` (an agreed stop: ``sys.exit(N)``), ``sigterm`` (waits;
-SIGTERM makes it leave with 75, as a preempted rank does). Each generation prints one PROBE line.
+PROBE_PLAN is JSON: ``{"<generation>:<rank>": action}``; a rank without an entry ends well. Actions: ``die:N`` (the
+process ends with code N at once, as a crash would), ``late-die:N`` (the same, after 1 s), ``fail`` (the script
+raises: the process stays and waits for the next generation), ``hang`` (sleeps, until ended), ``evict:R`` (asks the
+launcher to end rank R, then fails), ``linger`` (ends well after 3 s), ``stop:N`` (an agreed stop: ``sys.exit(N)``),
+``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does). Each generation prints one PROBE
+line.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ elif kind == "late-die":
     os._exit(int(arg))
 elif kind == "fail":
     raise RuntimeError(f"rank {rank} fails in generation {generation}")
+elif kind == "linger":
+    time.sleep(3.0)
 elif kind == "hang":
     time.sleep(600)
 elif kind == "evict":
