@@ -57,8 +57,10 @@ class CheckpointConfig:
         verify: What discovery checks before it trusts a checkpoint: ``"size"`` (every file present with its
             size, and checksums of the small pickled/JSON files), ``"full"`` (checksums of every file), or
             ``"auto"``: full from the local tier (a flipped bit in a shard would otherwise load as a wrong
-            number); from the durable one sizes first, then each shard hashed as it is read, before DCP parses
-            it (a full check first would download every shard twice).
+            number), except for shards this node hashed at commit and nothing has written, replaced or renamed
+            since (its recorded inode and change time prove it; ``"full"`` hashes them anyway, for bits flipped
+            underneath the file system); from the durable one sizes first, then each shard hashed as it is read,
+            before DCP parses it (a full check first would download every shard twice).
         allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from
             storage runs code when loaded.
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.

@@ -9,6 +9,7 @@ A tier (the local root, or the durable URL) holds::
         packs.json                 where each packed small tensor lies in the __packs__/<i> DCP entries
         rank-<r>.json              each rank's own state (RNG, data position)
         .writer.json               who is writing it (until the commit; never uploaded)
+        .proof-<rank>.json         what rank r hashed at commit, with inode and times (local tier, never uploaded)
         manifest.json              the commit record, written last
     quarantine/step-<N>-<time>/    local copies found corrupt (never deleted automatically)
     superseded/step-<N>-<time>/    local checkpoints of an abandoned branch (a resume from an older step)
@@ -30,6 +31,7 @@ PACKS_FILE = "packs.json"
 # DCP keys of the flat byte buffers that small plain tensors are packed into (reserved: no state key may start so)
 PACK_PREFIX = "__packs__/"
 WRITER_FILE = ".writer.json"
+PROOF_PREFIX = ".proof-"
 QUARANTINE_DIR = "quarantine"
 SUPERSEDED_DIR = "superseded"
 OWNERS_DIR = ".owners"
@@ -51,6 +53,10 @@ def parse_step_dirname(name: str) -> int | None:
 
 def rank_state_file(rank: int) -> str:
     return f"rank-{rank}.json"
+
+
+def proof_file(rank: int) -> str:
+    return f"{PROOF_PREFIX}{rank}.json"
 
 
 def rank_prefix(rank: int) -> str:

@@ -36,6 +36,7 @@ from resilience.errors import CheckpointError, CorruptCheckpointError, Incompati
 from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
 from resilience.packing import PackLayout
+from resilience.proofs import Proofs
 from resilience.storage import Tier
 from resilience.tree import TAG, flatten, tensor_keys, unflatten
 
@@ -167,12 +168,15 @@ class LocalCopy:
     the durable checkpoint; after a whole-job restart, though, the shards a node wrote are still on its disk,
     and reading them there spares the durable tier (and the network) most of the load. A file counts only if
     its size and checksum match the durable manifest: another save of the same step (an abandoned branch, a
-    crashed attempt) must not load as this one. Anything else is read from the durable tier.
+    crashed attempt) must not load as this one; with ``proofs``, a file this node hashed to that checksum at
+    commit and that nothing has touched since counts without hashing it again. Anything else is read from the
+    durable tier.
     """
 
     tier: Tier
     path: str
     files: dict[str, FileEntry]
+    proofs: Proofs | None = None
     checked: dict[str, bool] = field(default_factory=dict)
 
     def holds(self, name: str) -> bool:
@@ -184,6 +188,8 @@ class LocalCopy:
         item = self.files.get(name)
         if item is None:
             return False
+        if self.proofs is not None and self.proofs.holds(item):
+            return True
         try:
             with self.tier.open(f"{self.path}/{name}") as stream:
                 digest, size = hash_stream(stream)
@@ -461,17 +467,21 @@ def run_load(
     allow_pickle: bool,
     local: Tier | None = None,
     check_reads: bool = False,
+    trust_proofs: bool = False,
 ) -> Restored:
     """Read the shards (collective when distributed) and rebuild the trees.
 
     With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
-    are read there (:class:`LocalCopy`). ``check_reads``: shards were not hashed before the load; each is checked
-    as it is read (:func:`_checked_copy`).
+    are read there (:class:`LocalCopy`; with ``trust_proofs``, known unchanged by this node's proofs when they
+    hold). ``check_reads``: shards were not hashed before the load; each is checked as it is read
+    (:func:`_checked_copy`).
     """
     assert entry.manifest is not None
     copy = None
     if local is not None and entry.tier is not local:
-        copy = LocalCopy(local, local.step_path(entry.step), {f.path: f for f in entry.manifest.files})
+        where = local.step_path(entry.step)
+        found = Proofs(where) if trust_proofs else None
+        copy = LocalCopy(local, where, {f.path: f for f in entry.manifest.files}, found)
     read_tensors(
         entry, plan.metadata, plan.tensors, group=group, local=copy, check_reads=check_reads, adopt=plan.allocated
     )

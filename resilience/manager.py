@@ -61,6 +61,7 @@ from resilience.loader import Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
 from resilience.packing import PackLayout
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
+from resilience.proofs import Proofs
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
@@ -718,6 +719,7 @@ class CheckpointManager:
                 allow_pickle=allow_pickle,
                 local=self.local,
                 check_reads=not self._hashes_before_load(entry),
+                trust_proofs=self.config.verify == "auto",
             )
 
         self.groups.control.agree(plan)
@@ -767,8 +769,9 @@ class CheckpointManager:
     def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
         """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
         full = self._hashes_before_load(entry)
+        proven = Proofs(entry.path) if self.config.verify == "auto" and entry.tier is self.local else None
         try:
-            self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share))
+            self.groups.control.agree(lambda: catalog.verify(entry, full=full, share=share, proven=proven))
         except CorruptCheckpointError as exc:
             self._take_out(entry, definitely_corrupt=True)
             return str(exc)

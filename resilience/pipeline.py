@@ -26,14 +26,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from resilience import __version__
+from resilience import __version__, proofs
 from resilience.catalog import scan
 from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
 from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, WRITER_FILE, rank_state_file
-from resilience.manifest import FileEntry, Manifest, hash_stream
+from resilience.manifest import FileEntry, Manifest
 from resilience.retention import steps_to_delete
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import StagingJob
@@ -286,11 +286,7 @@ class Pipeline:
             if job.rank_skeleton is not None:
                 mine.append((rank_state_file(self.rank), "state"))
                 self._write_json(local_dir, rank_state_file(self.rank), job.rank_skeleton)
-            entries = []
-            for name, kind in mine:
-                with open(os.path.join(local_dir, name), "rb") as stream:
-                    digest, size = hash_stream(stream)
-                entries.append(FileEntry(name, size, digest, self.rank, kind))
+            entries = proofs.hashed(local_dir, self.rank, mine)
             timings["hash_s"] = time.monotonic() - t0
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
-from resilience import packing
+from resilience import packing, proofs
 from resilience.errors import CheckpointError, describe
 from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, rank_prefix, rank_state_file
 from resilience.loader import MetadataUnpickler
@@ -306,12 +306,7 @@ def _write_share(
         with open(os.path.join(step_dir, PACKS_FILE), "wb") as out:
             out.write(layout.encoded)
         names.append((PACKS_FILE, "packs"))
-    entries = []
-    for name, kind in names:
-        with open(os.path.join(step_dir, name), "rb") as stream:
-            digest, size = hash_stream(stream)
-        entries.append(FileEntry(name, size, digest, rank, kind))
-    return entries, _Share(layout, needed)
+    return proofs.hashed(step_dir, rank, names), _Share(layout, needed)
 
 
 def _commit(
