@@ -97,6 +97,18 @@ def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_proc
     assert "generation 1: rank(s) [1] replaced, the others restart in place (restart 1 of 3)" in output
 
 
+def test_the_spare_a_restart_took_is_started_again_only_after_the_delay(tmp_path: Path) -> None:
+    """Its imports would compete with the restarting ranks for the cores: within the delay a second loss gets a
+    replacement started cold."""
+    plan = {"0:1": "late-die:3", "0:0": "fail", "1:1": "late-die:3", "1:0": "fail"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, spare_delay_s=60)
+    assert code == 0, output
+    seen = by_generation(lines(output, "PROBE"))
+    assert seen[1, 1]["started"] < seen[1, 1]["began"] - 0.5, "the first replacement was not the warm spare"
+    assert seen[2, 1]["started"] > seen[2, 1]["began"] - 0.05, "a spare was started within the delay"
+    assert seen[2, 0]["pid"] == seen[0, 0]["pid"]
+
+
 def test_restarts_are_bounded_and_the_job_ends_with_the_lost_ranks_code(tmp_path: Path) -> None:
     plan = {f"{g}:1": "die:3" for g in range(4)} | {f"{g}:0": "fail" for g in range(4)}
     code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, max_restarts=2, spares=0)
@@ -378,6 +390,8 @@ def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_las
     output = (out / "node-0.log").read_text() + (out / "node-1.log").read_text()
     assert codes == [0, 0], output[-6000:]
     assert "survivor saves need a local tier every rank sees" in output
+    node_1 = (out / "node-1.log").read_text()
+    assert "rank 1 left with signal SIGKILL" in node_1 and "generation 1: rank(s) [1] replaced" in node_1, node_1
     resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
     assert sorted(r["global_step"] for r in resumed) == [0, 0, 4, 4], output[-6000:]
     for rank in (0, 1):
