@@ -192,6 +192,20 @@ def wait_all(procs: list[subprocess.Popen[str]], tmp: Path) -> list[int]:
     return [proc.returncode for proc in procs]
 
 
+def kill_node_when(procs: list[subprocess.Popen[str]], tmp: Path, marker: str, *, victim: int) -> list[int]:
+    """Kill node ``victim`` whole (its launcher and ranks) once node 1's log shows ``marker``; every node's code."""
+    log = tmp / "node-1.log"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while marker not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        kill_tree(procs[victim])
+    finally:
+        codes = wait_all(procs, tmp)
+    return codes
+
+
 def test_two_nodes_each_replace_their_own_lost_rank(tmp_path: Path) -> None:
     codes = wait_all(nodes(tmp_path, {"0:1": "late-die:3", "0:0": "fail"}), tmp_path)
     output = (tmp_path / "node-0.log").read_text() + (tmp_path / "node-1.log").read_text()
@@ -206,14 +220,7 @@ def test_two_nodes_each_replace_their_own_lost_rank(tmp_path: Path) -> None:
 def test_a_node_lost_whole_ends_the_job_for_the_scheduler(tmp_path: Path) -> None:
     """Node 1's launcher and rank are killed: nobody can replace rank 1, so node 0 gives up with 75."""
     procs = nodes(tmp_path, {"0:1": "hang", "0:0": "fail"}, recovery_timeout_s=2, spares=0)
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while len(lines((tmp_path / "node-1.log").read_text(), "PROBE")) < 1:
-            assert time.monotonic() < deadline, (tmp_path / "node-1.log").read_text()
-            time.sleep(0.05)
-        kill_tree(procs[1])
-    finally:
-        codes = wait_all(procs, tmp_path)
+    codes = kill_node_when(procs, tmp_path, "PROBE", victim=1)
     output = (tmp_path / "node-0.log").read_text()
     assert codes[0] == 75, output
     assert "a node's launcher did not answer after the failure" in output
@@ -231,14 +238,7 @@ def test_a_node_whose_store_host_is_lost_stops_its_ranks_for_the_scheduler(tmp_p
     """Node 0 (launcher, rank and the job's store) is killed: node 1 cannot agree on anything any more, so it
     stops its rank (SIGTERM: the rank leaves with 75) and ends with 75 instead of a traceback."""
     procs = nodes(tmp_path, {"0:0": "hang", "0:1": "sigterm"}, spares=0)
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while "READY" not in (tmp_path / "node-1.log").read_text():
-            assert time.monotonic() < deadline, (tmp_path / "node-1.log").read_text()
-            time.sleep(0.05)
-        kill_tree(procs[0])
-    finally:
-        codes = wait_all(procs, tmp_path)
+    codes = kill_node_when(procs, tmp_path, "READY", victim=0)
     output = (tmp_path / "node-1.log").read_text()
     assert codes[1] == 75, output
     assert "the job's store on node 0 is gone" in output
