@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience import pipeline as pipeline_module
+from resilience import proofs as proofs_module
 from resilience.pipeline import RecordingWriter
 from resilience.staging import HostStager
 from resilience.storage import DurableTier, LocalTier
@@ -29,7 +30,7 @@ PHASES: dict[str, list[tuple[Any, str]]] = {
     "staging": [(HostStager, "stage")],
     "shards": [(RecordingWriter, "write_data")],
     "dcp-metadata": [(RecordingWriter, "finish")],
-    "hash": [(pipeline_module, "hash_stream")],
+    "hash": [(proofs_module, "hash_stream")],
     "manifest": [(LocalTier, "write_exclusive"), (DurableTier, "write_exclusive")],
     "upload": [(DurableTier, "put_file")],
     "retention": [(pipeline_module, "remove_checkpoint")],
