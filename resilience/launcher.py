@@ -376,7 +376,7 @@ class Launcher:
     def _watch(self) -> None:
         """One look: who left, who waits, who is to be ended, and what the job's next generation is."""
         job = self.job
-        if job.spares_due is not None and time.monotonic() >= job.spares_due:
+        if job.spares_due is not None and job.ended is None and time.monotonic() >= job.spares_due:
             job.spares_due = None
             self._fill_spares()
         number = job.generation.number

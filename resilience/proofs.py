@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from resilience.layout import PROOF_PREFIX, proof_file
+from resilience.layout import proof_file
 from resilience.manifest import FileEntry, hash_stream
 
 log = logging.getLogger(__name__)
@@ -78,21 +78,18 @@ def record(directory: str, rank: int, entries: Iterable[FileEntry]) -> None:
 
 
 class Proofs:
-    """Every rank's proof in one step directory, read once; :meth:`holds` says whether a file may skip its hash."""
+    """The proofs of one step directory, each read once when first needed; :meth:`holds` says whether a file may
+    skip its hash. A file is vouched for only by the proof of the rank the manifest says wrote it."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.seen: dict[str, Seen] = {}
-        try:
-            names = [n for n in os.listdir(directory) if n.startswith(PROOF_PREFIX)]
-        except OSError:
-            names = []
-        for name in sorted(names):
-            self.seen.update(_read(os.path.join(directory, name)))
+        self._by_rank: dict[int, dict[str, Seen]] = {}
 
     def holds(self, item: FileEntry) -> bool:
         """``item`` (the manifest's entry) is still the file that was hashed to its checksum."""
-        seen = self.seen.get(item.path)
+        if item.rank not in self._by_rank:
+            self._by_rank[item.rank] = _read(os.path.join(self.directory, proof_file(item.rank)))
+        seen = self._by_rank[item.rank].get(item.path)
         if seen is None or seen.xxh3_64 != item.xxh3_64 or seen.size != item.size:
             return False
         try:
@@ -103,24 +100,22 @@ class Proofs:
 
 
 def _read(path: str) -> dict[str, Seen]:
-    """The files a proof vouches for; nothing for a proof that is malformed (it is hashed then, not trusted)."""
+    """The files a proof vouches for; nothing for a proof that is missing or malformed (hashing, not trust)."""
     try:
         with open(path, "rb") as stream:
             data = json.loads(stream.read(16 << 20))
         if not isinstance(data, dict) or data.get("version") != VERSION:
             return {}
         recorded, files = data["recorded_ns"], data["files"]
+        if type(recorded) is not int:
+            return {}
         found = {}
         for name, fields in files.items():
             if not isinstance(name, str) or not isinstance(fields, dict):
                 return {}
             numbers = {key: fields[key] for key in _FIELDS}
             digest = fields["xxh3_64"]
-            if (
-                any(type(n) is not int for n in numbers.values())
-                or type(digest) is not str
-                or type(recorded) is not int
-            ):
+            if any(type(n) is not int for n in numbers.values()) or type(digest) is not str:
                 return {}
             seen = Seen(**numbers, xxh3_64=digest)
             if seen.ctime_ns < recorded - RACY_NS and seen.mtime_ns < recorded - RACY_NS:

@@ -47,6 +47,14 @@ def test_a_file_changed_within_a_tick_of_its_proof_is_hashed_again(tmp_path: Pat
     assert not proofs.Proofs(str(tmp_path)).holds(entry)
 
 
+def test_only_the_writing_ranks_proof_vouches_for_a_file(tmp_path: Path) -> None:
+    names = files(tmp_path, ["a"])
+    time.sleep(0.1)
+    (entry,) = proofs.hashed(str(tmp_path), 1, names)
+    assert proofs.Proofs(str(tmp_path)).holds(entry)
+    assert not proofs.Proofs(str(tmp_path)).holds(FileEntry("a", entry.size, entry.xxh3_64, 0, "shard"))
+
+
 @pytest.mark.parametrize(
     "tamper",
     [
