@@ -8,6 +8,11 @@ its last step boundary, written by the same thread (the training thread only han
 
 A rank counts as lost when its process is gone (same host: the pid, and its start time, so a reused pid does
 not count) or its heartbeat is older than ``stale_s`` (another host, or a stopped process).
+
+The first survivor to find a rank lost posts a *rescue notice* here (the step it saves, and whom it found lost),
+and every rank's heartbeat thread looks for it. A survivor whose own collectives never touch the lost rank (under
+HSDP, one blocked in an all-reduce with another survivor that has left to save) learns of the loss that way,
+not from a failed collective that would come only once the others give up and exit.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +36,18 @@ from resilience.tree import flatten, unflatten
 log = logging.getLogger(__name__)
 
 
+NOTICE_FILE = "rescue.json"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A survivor's rescue notice: rank ``rank`` saves ``step`` among the ranks not in ``lost``."""
+
+    rank: int
+    step: int
+    lost: frozenset[int]
+
+
 class Liveness:
     """This rank's heartbeat and boundary state, and a view of the others'.
 
@@ -36,14 +55,24 @@ class Liveness:
         folder: Shared by all ranks of this job (and only this job: it is named by the job's token).
         rank: This process's global rank.
         world_size: Ranks in the job.
-        interval_s: How often the heartbeat is touched.
+        interval_s: How often the heartbeat is touched (and the rescue notice looked for).
+        on_notice: Called once, from the heartbeat thread, when a rescue notice appears.
     """
 
-    def __init__(self, folder: str, rank: int, world_size: int, *, interval_s: float = 1.0):
+    def __init__(
+        self,
+        folder: str,
+        rank: int,
+        world_size: int,
+        *,
+        interval_s: float = 1.0,
+        on_notice: Callable[[Notice], None] | None = None,
+    ):
         self.folder = folder
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
+        self.on_notice = on_notice
         self._pending: tuple[int, Any] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,6 +84,10 @@ class Liveness:
 
     def _boundary(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.boundary.pt")
+
+    @property
+    def _notice_path(self) -> str:
+        return os.path.join(self.folder, NOTICE_FILE)
 
     def start(self) -> None:
         os.makedirs(self.folder, exist_ok=True)
@@ -76,6 +109,7 @@ class Liveness:
 
     def _beat(self) -> None:
         last = 0.0
+        noticed = False
         while not self._stop.is_set():
             self._wake.wait(self.interval_s)
             self._wake.clear()
@@ -87,6 +121,41 @@ class Liveness:
                 last = time.monotonic()
                 with contextlib.suppress(OSError):
                     os.utime(self._record(self.rank))
+                if not noticed and self.on_notice is not None:
+                    notice = self.notice()
+                    if notice is not None and notice.rank != self.rank:
+                        noticed = True
+                        self.on_notice(notice)
+
+    def announce(self, step: int, lost: set[int]) -> Notice:
+        """Post the rescue notice (this rank saves ``step`` without ``lost``), unless one is posted already; returns
+        the notice in force, which every survivor follows, so that all of them save the same step with the same
+        survivors. It appears whole or not at all (written aside, then linked in, which fails if one exists)."""
+        body = {"rank": self.rank, "step": step, "lost": sorted(lost)}
+        tmp = f"{self._notice_path}.{self.rank}.tmp"
+        with open(tmp, "w") as stream:
+            json.dump(body, stream)
+        try:
+            os.link(tmp, self._notice_path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        notice = self.notice()
+        assert notice is not None, f"{self._notice_path} vanished"
+        return notice
+
+    def notice(self) -> Notice | None:
+        """The rescue notice of this job, if a survivor posted one."""
+        try:
+            with open(self._notice_path) as stream:
+                body = json.load(stream)
+            return Notice(int(body["rank"]), int(body["step"]), frozenset(int(r) for r in body["lost"]))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # posted whole, so only a foreign file gets here
+            log.warning("ignoring an unreadable rescue notice %s: %s", self._notice_path, exc)
+            return None
 
     def _write_boundary(self, step: int, rank_state: Any) -> None:
         flat = flatten(rank_state)

@@ -48,11 +48,13 @@ from resilience.goodput.ledger import COMPLETED, incarnation_start, ledger_dir
 from resilience.goodput.summary import GoodputSummary, summarize
 from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard, Kind, Severity
 from resilience.health.faults import GPU_FAULTS
+from resilience.liveness import Notice
 from resilience.loader import Restored
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import BoundaryBuilder, BoundarySnapshot, PeerLossConfig, PeerLossWatch
 from resilience.rng import restore_rng
 from resilience.save_handle import SaveHandle
+from resilience.survivors import SurvivorOutcome
 
 log = logging.getLogger(__name__)
 MetricsSink = Callable[[dict[str, float]], None]
@@ -255,16 +257,40 @@ class TrainingSession:
         stuck_at = self.last_step
         deadline = time.monotonic() + 2 * watch.config.stale_s
         while time.monotonic() < deadline and self.last_step == stuck_at and not self.ended:
-            outcome = watch.after_failure(None)
-            if outcome is not None:
-                self._record_peer_loss()
-                if inplace.active():
-                    # the training thread stays stuck in its collective until the lost ranks' processes are gone:
-                    # the launcher ends them, the collective fails, and the training thread unwinds to the restart
-                    inplace.evict(outcome.lost)
-                    return
-                watch.exit()
+            if self._rescued(watch.after_failure(None)):
+                return
             time.sleep(watch.config.heartbeat_s)
+
+    def _notice(self, notice: Notice) -> None:
+        """From the heartbeat thread: another survivor saves without the lost rank(s), and this rank must join,
+        whatever its training thread is doing (under HSDP it may be blocked in a collective with that survivor,
+        which would fail only once the survivor gives up)."""
+        watch = self.peer_watch
+        if watch is None or self.ended:
+            return
+        threading.Thread(
+            target=lambda: self._rescued(watch.after_failure(None, notice)),
+            name="resilience-notice-rescue",
+            daemon=True,
+        ).start()
+
+    def _rescued(self, outcome: SurvivorOutcome | None) -> bool:
+        """After a rescue from a side thread: record the survivor save and leave (the process exits; in place, the
+        lost ranks are evicted and the training thread unwinds to the restart). False: nobody was lost."""
+        if outcome is None:
+            return False
+        watch = self.peer_watch
+        assert watch is not None
+        self._record_peer_loss()
+        if inplace.active():
+            # the training thread stays stuck in its collective until the lost ranks' processes are gone: the
+            # launcher ends them, the collective fails, and the training thread unwinds to the restart; one held at
+            # the optimizer step's gate is let go with an error
+            inplace.evict(outcome.lost)
+            watch.release()
+            return True
+        watch.exit()
+        return True
 
     def on_failure(self, error: BaseException) -> None:
         """The adapter saw ``error`` leave the training loop. If peers are lost, the survivors save and the process
@@ -419,7 +445,7 @@ class TrainingSession:
         config = self.peer_loss
         if config is not None and config.enabled and self.manager.world_size > 1:
             if self.manager.local_shared:
-                self.peer_watch = PeerLossWatch(self.manager, config, self.boundary)
+                self.peer_watch = PeerLossWatch(self.manager, config, self.boundary, on_notice=self._notice)
             elif self.is_main:
                 log.warning(
                     "survivor saves need a local tier every rank sees (local_shared): they are off for this run"

@@ -63,6 +63,11 @@ class SurvivorOutcome:
     reason: str | None = None
     seconds: float = 0.0
 
+    def describe(self) -> str:
+        return f"survivor save of step {self.step} " + (
+            "committed" if self.committed else f"not committed ({self.reason})"
+        )
+
 
 def holders(tensor: DTensor) -> list[int]:
     """The global ranks holding the same chunk of ``tensor`` as this rank (its replicas, itself included).
@@ -182,6 +187,7 @@ def survivor_save(
     manager: CheckpointManager,
     *,
     step: int,
+    meeting: int | None = None,
     shared: SaveState,
     rank_state: Any,
     lost: set[int],
@@ -191,8 +197,9 @@ def survivor_save(
     """Commit ``step`` from the survivors (every rank not in ``lost``); call on every survivor.
 
     ``shared``: the state all ranks share (its tensors as of ``step``: live ones, if no optimizer step ran
-    since); ``rank_state``: this rank's own, as captured at the boundary after ``step``. Never raises for a
-    failed save: the outcome says why (the caller is on its way out either way).
+    since); ``rank_state``: this rank's own, as captured at the boundary after ``step``; ``meeting``: the step the
+    rescue notice names (``step`` if None), where the survivors meet: one at another step makes them stand down.
+    Never raises for a failed save: the outcome says why (the caller is on its way out either way).
     """
     start = time.monotonic()
     rank, world = manager.rank, manager.world_size
@@ -201,15 +208,16 @@ def survivor_save(
     if rank not in survivors:
         outcome.reason = "this rank is among the lost"
         return outcome
+    meeting = step if meeting is None else meeting
     board = _Board(
-        os.path.join(manager.local.root, SURVIVORS_DIR, manager.job_token, f"step-{step}"), start + timeout_s
+        os.path.join(manager.local.root, SURVIVORS_DIR, manager.job_token, f"step-{meeting}"), start + timeout_s
     )
     coordinator = survivors[0]
     try:
         manager.stop_background()  # our helper may be stuck in a collective with the lost rank: it goes first
         board.post(f"ready-{rank}", {"step": step, "lost": sorted(lost)})
         if rank == coordinator:
-            board.post("plan", _plan(manager, board, step, survivors))
+            board.post("plan", _plan(manager, board, meeting, survivors))
         plan = board.wait("plan")
         if not plan["go"]:
             outcome.reason = plan["reason"]

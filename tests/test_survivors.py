@@ -240,3 +240,121 @@ def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
     faults = [event for event in incarnation.events if event["e"] == "fault"]
     assert [(event["step"], event["reason"]) for event in faults] == [(6, "rank(s) [1] lost")], faults
     assert incarnation.end_reason is not None and incarnation.end_reason.startswith("stopped, exit code 75")
+
+
+def test_the_first_rescue_notice_holds_and_the_heartbeat_hands_it_to_the_other_ranks(tmp_path: Path) -> None:
+    """Every survivor follows one notice (the same step, the same lost ranks), posted whole; the poster's own
+    heartbeat does not hand it back, the others' do, once."""
+    from resilience.liveness import Liveness, Notice
+
+    seen: dict[int, list[Notice]] = {0: [], 1: [], 2: []}
+    ranks = [Liveness(str(tmp_path), rank, 3, interval_s=0.1, on_notice=seen[rank].append) for rank in range(3)]
+    for liveness in ranks:
+        liveness.start()
+    try:
+        first = ranks[0].announce(6, {2})
+        assert first == Notice(0, 6, frozenset({2}))
+        assert ranks[1].announce(7, {0}) == first, "a later announcement gets the notice in force"
+        deadline = time.monotonic() + 5
+        while not seen[1] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # more beats: still one call each
+        assert seen == {0: [], 1: [first], 2: [first]}
+        assert sorted(p.name for p in tmp_path.iterdir() if "rescue" in p.name) == ["rescue.json"]
+    finally:
+        for liveness in ranks:
+            liveness.close()
+
+
+def gated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closure_s: float, fail_in_closure: bool) -> dict:
+    """A training thread stepping SGD with a closure (as Lightning does) through a PeerLossWatch, and a survivor
+    save (faked: it records what it copies) that takes 0.5 s."""
+    from resilience import CheckpointConfig, CheckpointManager
+    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.session import SaveState
+    from resilience.survivors import SurvivorOutcome
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: dict = {"at_boundary": {}, "saves": []}
+
+    def slow_save(manager: object, *, step: int, meeting: int, shared: SaveState, **_: object) -> SurvivorOutcome:
+        weight = shared.state["w"]
+        before = weight.detach().clone()
+        time.sleep(0.5)
+        seen["saves"].append((step, meeting, before, weight.detach().clone()))
+        return SurvivorOutcome(step, True, [0], [1])
+
+    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+
+    def boundary(step: int) -> BoundarySnapshot:
+        seen["at_boundary"][step] = model.weight.detach().clone()
+        return BoundarySnapshot(step, {}, lambda: SaveState({"w": model.weight}, None, {}))
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(torch.ones(1, 4)).sum()
+        loss.backward()
+        time.sleep(closure_s)
+        if fail_in_closure:
+            raise RuntimeError("Connection reset by peer")  # a DDP all-reduce in the backward
+        return loss
+
+    def train() -> None:
+        step = 0
+        try:
+            while True:
+                watch.at_boundary(step)
+                optimizer.step(closure)
+                step += 1
+        except Exception as exc:
+            seen["error"] = exc
+            if fail_in_closure:
+                seen["outcome"] = watch.after_failure(exc)
+
+    with CheckpointManager(CheckpointConfig(tmp_path, persist="thread")) as manager:
+        watch = PeerLossWatch(manager, PeerLossConfig(stale_s=3.0, heartbeat_s=0.5), boundary)
+        monkeypatch.setattr(watch.liveness, "lost", lambda stale_s: {1})
+        trainer = threading.Thread(target=train)
+        try:
+            trainer.start()
+            if not fail_in_closure:
+                while watch.snapshot is None or watch.snapshot.step < 2:
+                    time.sleep(0.01)
+                from resilience.liveness import Notice
+
+                # the others completed the step this rank is still in: it finishes it, then its next update waits
+                seen["outcome"] = watch.after_failure(None, Notice(1, watch.snapshot.step + 1, frozenset({1})))
+                seen["held_at"] = watch.snapshot.step
+                time.sleep(2 * closure_s)
+                seen["still_at"] = watch.snapshot.step
+                watch.release()
+            trainer.join(10)
+            assert not trainer.is_alive()
+        finally:
+            watch.close()
+    return seen
+
+
+def test_a_survivor_told_by_the_notice_saves_the_noticed_step_while_its_next_update_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from resilience.peer_loss import PeerLost
+
+    seen = gated_run(tmp_path, monkeypatch, closure_s=0.5, fail_in_closure=False)
+    ((step, meeting, before, after),) = seen["saves"]
+    assert step == meeting == seen["held_at"] == seen["still_at"], seen
+    assert torch.equal(before, seen["at_boundary"][step]) and torch.equal(after, before), "copied while updated"
+    assert seen["outcome"].committed
+    assert isinstance(seen["error"], PeerLost), "the held update is let go with an error, to restart in place"
+
+
+def test_a_collective_failing_in_the_closure_leaves_the_boundary_state_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's forward and backward run inside ``optimizer.step``: a failure there is before the update."""
+    seen = gated_run(tmp_path, monkeypatch, closure_s=0.0, fail_in_closure=True)
+    ((step, meeting, before, _),) = seen["saves"]
+    assert step == meeting == 0 and torch.equal(before, seen["at_boundary"][0])
+    assert seen["outcome"].committed, seen["outcome"]
