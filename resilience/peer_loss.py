@@ -85,20 +85,29 @@ class PeerLossConfig:
             )
 
 
-def abort_collectives() -> None:
+def nccl_in_use() -> bool:
+    """Whether this process's default group runs NCCL (its backend string names it, for one device type or all)."""
+    return dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
+
+
+def abort_collectives(rank: int) -> None:
     """Abort this process's NCCL communicators, so that a kernel waiting for a lost rank lets the device go: the
     survivor save then copies the state off it (the training thread's collective fails, and it waits for the
     save's outcome). Gloo has no such way out (in torch 2.13 its ``abort`` leaves a pending ``all_reduce``
-    blocked): there the save runs beside the blocked thread, which only reads host memory. Untested on NCCL here
-    (no GPU); a failed abort is logged, and the save goes on."""
-    if not dist.is_available() or not dist.is_initialized() or "nccl" not in str(dist.get_backend()).lower():
+    blocked): there the save runs beside the blocked thread, which only reads host memory. Every group goes
+    (torch aborts them together), the checkpoint's own included: the survivor save uses none. Run on gloo in the
+    tests (``tests/workers/survivor_worker.py``), never on NCCL here (no GPU); a failed abort is logged, and the
+    save goes on."""
+    if not nccl_in_use():
         return
     from torch.distributed.distributed_c10d import _abort_process_group
 
     try:
         _abort_process_group()
     except Exception as exc:  # the save must still be tried
-        log.warning("aborting the NCCL communicators failed: %s", exc)
+        log.warning("rank %d: aborting the communicators failed: %s", rank, exc)
+        return
+    log.warning("rank %d: aborted this process's communicators before the survivor save", rank)
 
 
 class PeerLost(RuntimeError):
@@ -281,7 +290,7 @@ class PeerLossWatch:
         if cut is not None:  # the state in memory is past the last boundary, and the others' is not known
             self.outcome = SurvivorOutcome(snapshot.step, False, lost=sorted(lost), reason=cut)
             return self.outcome
-        abort_collectives()
+        abort_collectives(self.manager.rank)
         self.liveness.flush()
         self.outcome = survivor_save(
             self.manager,

@@ -75,17 +75,23 @@ def wait_for_exits(procs: list[subprocess.Popen[str]], ranks: list[int], timeout
 # rank 0's case (it hosts the job's stores) was marked slow after it failed in 2 of 4 full runs under load; since the
 # victims die once their boundary state is written (tests/workers/victim.py) it passed 8 of 8 here, 4 of them with
 # three other multi-process tests beside it
-@pytest.mark.parametrize("victim", [1, 0], ids=["rank-1", "rank-0"])
+@pytest.mark.parametrize(
+    ("victim", "abort"), [(1, False), (0, False), (1, True)], ids=["rank-1", "rank-0", "rank-1-aborting"]
+)
 def test_a_rank_killed_mid_step_loses_nothing_the_survivors_hold(
-    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]], victim: int
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]], victim: int, abort: bool
 ) -> None:
     """kill -9 of one rank inside step 7's gradient all-reduce: the other two commit step 6 (the interval save
-    was step 4) and exit 75; the relaunch on 3 ranks is bit-exact, the lost rank's own state included."""
-    results = run_ranks(WORKER, ["kill", str(tmp_path)], WORLD, timeout=180, env={"TEST_VICTIM": str(victim)})
+    was step 4) and exit 75; the relaunch on 3 ranks is bit-exact, the lost rank's own state included. Aborting:
+    the survivors abort every process group first, as on NCCL, and the save needs none of them."""
+    env = {"TEST_VICTIM": str(victim), "TEST_ABORT": "1" if abort else "0"}
+    results = run_ranks(WORKER, ["kill", str(tmp_path)], WORLD, timeout=180, env=env)
     codes = {r.rank: r.returncode for r in results}
     survivors = [r for r in range(WORLD) if r != victim]
     outputs = "\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in results)
     assert codes[victim] == -signal.SIGKILL and all(codes[r] == EXIT_PEER_LOST for r in survivors), outputs
+    aborted = {r.rank for r in results if "aborted this process's communicators before the survivor save" in r.output}
+    assert aborted == (set(survivors) if abort else set()), outputs
     assert committed(tmp_path) == [4, 6]
     body = manifest(tmp_path, 6)
     assert body["extra"]["survivor_save"] == {"saved_by": survivors, "lost": [victim]}  # type: ignore[index]

@@ -16,7 +16,8 @@ rank's own state can be told apart. Scenarios:
 * ``sharded``: the same with part of the state an FSDP-style shard that only its rank holds: the save stands
   down and the ranks exit 69 without committing.
 
-``resume`` loads the newest checkpoint, prints what it holds and trains on to step 12.
+``resume`` loads the newest checkpoint, prints what it holds and trains on to step 12. With ``TEST_ABORT=1`` the
+survivors take the process group for NCCL's, and abort every group before they save, as they do on a GPU.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilience import CheckpointConfig, CheckpointManager
+from resilience import CheckpointConfig, CheckpointManager, peer_loss
 from resilience.health import HealthConfig
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import capture_rng
@@ -45,6 +46,8 @@ STEPS = 12
 def main() -> None:
     scenario, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    if os.environ.get("TEST_ABORT") == "1":
+        peer_loss.nccl_in_use = lambda: True
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = int(os.environ.get("TEST_VICTIM", "1"))
     torch.manual_seed(0)
