@@ -55,7 +55,8 @@ def test_each_replica_group_writes_once_and_the_checkpoint_reshards(tmp_path: Pa
     assert all("LOADED 4 -> 2" in out for out in run("load", tmp_path, 2))
 
 
-@pytest.mark.slow  # three 4-rank runs, about a minute here
+@pytest.mark.slow  # three 4-rank runs, a minute here; the default run has the rescue notice and the step gate
+# (test_survivors.py) and HSDP survivor saves on 2 x 1 through Lightning (test_lightning_sharded.py)
 def test_survivors_of_a_killed_rank_save_its_chunks_from_the_other_replica(tmp_path: Path) -> None:
     """Rank 2's collectives are with ranks 0 and 3, which leave training to save when theirs with rank 1 fail:
     it learns of the loss from their rescue notice, and joins the save while its training thread is blocked."""
