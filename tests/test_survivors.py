@@ -101,6 +101,21 @@ def test_a_rank_killed_mid_step_loses_nothing_the_survivors_hold(
     resume_and_compare(tmp_path, reference, 6)
 
 
+def test_a_rank_killed_while_a_background_save_is_in_flight_leaves_that_save_uncommitted(
+    tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]
+) -> None:
+    """Step 4's save is in the helpers' background write (each waits 3 s first; the victim dies only once one
+    began, else it exits 1) when rank 1 dies in step 7: the survivors stop their helpers and commit step 6; step 4
+    never commits, and the resume is from step 6, bit-exact."""
+    results = run_ranks(WORKER, ["midsave", str(tmp_path)], WORLD, timeout=180)
+    codes = {r.rank: r.returncode for r in results}
+    outputs = "\n".join(f"--- rank {r.rank} exited {r.returncode}:\n{r.output[-3000:]}" for r in results)
+    assert codes == {0: EXIT_PEER_LOST, 1: -signal.SIGKILL, 2: EXIT_PEER_LOST}, outputs
+    assert committed(tmp_path) == [6], outputs
+    assert manifest(tmp_path, 6)["extra"]["survivor_save"] == {"saved_by": [0, 2], "lost": [1]}  # type: ignore[index]
+    resume_and_compare(tmp_path, reference, 6)
+
+
 def test_a_rank_lost_before_its_boundary_state_was_written_resumes_and_says_so(
     tmp_path: Path, reference: tuple[torch.Tensor, dict[int, int]]
 ) -> None:

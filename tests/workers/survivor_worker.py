@@ -9,6 +9,8 @@ rank's own state can be told apart. Scenarios:
   themselves and exit 75.
 * ``stop``: the victim SIGSTOPs itself there instead; the others are stuck in the all-reduce until the hang
   watchdog (with its liveness check) has them save and exit.
+* ``midsave``: like ``kill``, but every background write waits 3 s first (``tests/workers/helper_faults.py``) and
+  nobody waits for a save: the victim dies while step 4's save is in flight, which must never commit.
 * ``unpublished``: like ``kill``, but the victim dies before its state of step 6 (RNG, marks) was written: the
   survivors commit step 6 without it.
 * ``sick``: a drill injects XID 79 on the victim at step 6 (``RESILIENCE_INJECT``): every rank saves step 6, the
@@ -43,9 +45,22 @@ from tests.workers.victim import die_after_boundary
 STEPS = 12
 
 
+def wait_for_file(path: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
 def main() -> None:
     scenario, root = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    if scenario == "midsave":
+        os.environ.update(
+            RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults",
+            TEST_HELPER_FAULT="slow_write",
+            TEST_SLOW_WRITE_S="3",
+        )
     if os.environ.get("TEST_ABORT") == "1":
         peer_loss.nccl_in_use = lambda: True
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,8 +107,10 @@ def main() -> None:
         while step < STEPS:
             session.step_begin(step)
             time.sleep(0.05)  # the forward pass
-            if scenario in ("kill", "stop") and step == 6 and rank == victim:
-                die_after_boundary(session, step, signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
+            if scenario == "midsave" and step == 6 and rank == victim:
+                wait_for_file(os.path.join(root, "writing-4"))  # its helper is writing step 4
+            if scenario in ("kill", "stop", "midsave") and step == 6 and rank == victim:
+                die_after_boundary(session, step, signal.SIGSTOP if scenario == "stop" else signal.SIGKILL)
             if scenario == "unpublished" and step == 6 and rank == victim:
                 os.kill(os.getpid(), signal.SIGKILL)
             noise = torch.randn(256)  # this rank's stream: a wrongly restored RNG shows in the weights
@@ -106,7 +123,7 @@ def main() -> None:
             boundary = session.step_end(step)
             if boundary.stop is not None:
                 session.exit()
-            if boundary.saved is not None:
+            if boundary.saved is not None and scenario != "midsave":
                 session.wait()  # steps here are milliseconds; a real one outlasts the save's background half
     except RuntimeError as exc:
         session.on_failure(exc)  # a lost peer: saves among the survivors and exits 75
