@@ -29,7 +29,6 @@ from typing import Any
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from resilience import catalog, inplace, packing
@@ -67,6 +66,7 @@ from resilience.staging import HostStager, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
 from resilience.survivors import only_held_by, share_among
 from resilience.tree import flatten
+from resilience.updates import before_update
 
 log = logging.getLogger(__name__)
 
@@ -548,36 +548,18 @@ class CheckpointManager:
         """Make the next state change wait for the pending copy, without the caller having to remember.
 
         The hooks are global; they are put in place with the copy and removed at the next save or at close (not
-        from inside a hook, while torch walks its hook table), and do nothing once the copy is done. A step given
-        a closure (Lightning's, LBFGS) runs forward and backward inside ``optimizer.step``: the wait then goes
-        after the closure, just before the update, so the copy still overlaps them.
+        from inside a hook, while torch walks its hook table), and do nothing once the copy is done. The wait
+        comes just before the update (:mod:`resilience.updates`), so the copy still overlaps a closure's forward
+        and backward.
         """
         self._disarm_staging_barrier()
 
         def before_forward(*_: Any) -> None:
             self.wait_for_staging()
 
-        def before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if self._staging is None:
-                return None
-            # args are step()'s own: (optimizer, closure?)
-            closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-            if closure is None:
-                self.wait_for_staging()
-                return None
-
-            def closure_then_wait() -> Any:
-                result = closure()
-                self.wait_for_staging()
-                return result
-
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": closure_then_wait}
-            return (args[0], closure_then_wait, *args[2:]), kwargs
-
         if self.config.staging_barrier == "forward":
             self._barrier_hooks.append(register_module_forward_pre_hook(before_forward))
-        self._barrier_hooks.append(register_optimizer_step_pre_hook(before_step))
+        self._barrier_hooks.append(before_update(self.wait_for_staging, active=lambda: self._staging is not None))
 
     def _disarm_staging_barrier(self) -> None:
         for hook in self._barrier_hooks:

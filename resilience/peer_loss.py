@@ -23,12 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from resilience import inplace
 from resilience.errors import ConfigError
 from resilience.liveness import Liveness, Notice
 from resilience.survivors import SurvivorOutcome, survivor_save
+from resilience.updates import before_update
 
 if TYPE_CHECKING:
     from resilience.manager import CheckpointManager
@@ -155,7 +156,7 @@ class PeerLossWatch:
         self._released: PeerLost | None = None
         self._training_thread: int | None = None
         self._hooks = [
-            register_optimizer_step_pre_hook(self._step_begins),
+            before_update(self._update_begins),
             register_optimizer_step_post_hook(self._step_ended),
         ]
         self._sigterm_before: Any = None
@@ -175,23 +176,6 @@ class PeerLossWatch:
 
     def _boundary_step(self) -> int:
         return self.snapshot.step if self.snapshot is not None else -1
-
-    def _step_begins(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """An optimizer step begins. With a closure (Lightning's forward and backward run inside the step), the
-        update begins only once the closure returns: the gate is there."""
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
-            self._update_begins()
-            return None
-
-        def gated() -> Any:
-            loss = closure()
-            self._update_begins()
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": gated}
-        return (args[0], gated, *args[2:]), kwargs
 
     def _update_begins(self) -> None:
         with self._gate:
