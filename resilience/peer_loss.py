@@ -101,9 +101,9 @@ def abort_collectives(rank: int) -> None:
     save goes on."""
     if not nccl_in_use():
         return
-    from torch.distributed.distributed_c10d import _abort_process_group
-
     try:
+        from torch.distributed.distributed_c10d import _abort_process_group  # private: it may move
+
         _abort_process_group()
     except Exception as exc:  # the save must still be tried
         log.warning("rank %d: aborting the communicators failed: %s", rank, exc)
