@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from resilience.owners import process_start_ticks
+from resilience.storage import write_local_exclusive
 from resilience.tree import flatten, unflatten
 
 log = logging.getLogger(__name__)
@@ -130,17 +131,10 @@ class Liveness:
     def announce(self, step: int, lost: set[int]) -> Notice:
         """Post the rescue notice (this rank saves ``step`` without ``lost``), unless one is posted already; returns
         the notice in force, which every survivor follows, so that all of them save the same step with the same
-        survivors. It appears whole or not at all (written aside, then linked in, which fails if one exists)."""
+        survivors. It appears whole or not at all, as a manifest does."""
         body = {"rank": self.rank, "step": step, "lost": sorted(lost)}
-        tmp = f"{self._notice_path}.{self.rank}.tmp"
-        with open(tmp, "w") as stream:
-            json.dump(body, stream)
-        try:
-            os.link(tmp, self._notice_path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+        with contextlib.suppress(FileExistsError):
+            write_local_exclusive(self._notice_path, json.dumps(body).encode(), fsync=False)
         notice = self.notice()
         assert notice is not None, f"{self._notice_path} vanished"
         return notice

@@ -187,7 +187,7 @@ def survivor_save(
     manager: CheckpointManager,
     *,
     step: int,
-    meeting: int | None = None,
+    meeting: int,
     shared: SaveState,
     rank_state: Any,
     lost: set[int],
@@ -198,7 +198,7 @@ def survivor_save(
 
     ``shared``: the state all ranks share (its tensors as of ``step``: live ones, if no optimizer step ran
     since); ``rank_state``: this rank's own, as captured at the boundary after ``step``; ``meeting``: the step the
-    rescue notice names (``step`` if None), where the survivors meet: one at another step makes them stand down.
+    rescue notice names, where the survivors meet: one at another step makes them stand down.
     Never raises for a failed save: the outcome says why (the caller is on its way out either way).
     """
     start = time.monotonic()
@@ -208,7 +208,6 @@ def survivor_save(
     if rank not in survivors:
         outcome.reason = "this rank is among the lost"
         return outcome
-    meeting = step if meeting is None else meeting
     board = _Board(
         os.path.join(manager.local.root, SURVIVORS_DIR, manager.job_token, f"step-{meeting}"), start + timeout_s
     )
