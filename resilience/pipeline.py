@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from resilience import __version__, proofs
 from resilience.catalog import scan
 from resilience.config import CheckpointConfig
+from resilience.direct_io import HashedFileSystem, Written
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
@@ -91,11 +92,19 @@ class PiecePlanner(DefaultSavePlanner):
 
 
 class RecordingWriter(FileSystemWriter):
-    """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own."""
+    """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own, and
+    writes them through :class:`~resilience.direct_io.HashedFileSystem`: past the page cache with ``direct``,
+    synced as each file closes with ``sync_files``, hashed on the way out (:attr:`hashes`)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, path: str, *, direct: bool = False, sync_files: bool = True, **kwargs: Any):
+        super().__init__(path, sync_files=False, **kwargs)  # our streams sync themselves as they close
+        self.files = HashedFileSystem(direct=direct, fsync=sync_files)
+        self.fs = self.files
         self.written: set[str] = set()
+
+    @property
+    def hashes(self) -> dict[str, Written]:
+        return self.files.written
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -265,7 +274,11 @@ class Pipeline:
             timings["stage_wait_s"] = time.monotonic() - t0
             t0 = time.monotonic()
             writer = RecordingWriter(
-                local_dir, sync_files=self.config.fsync, thread_count=self.config.write_threads, overwrite=False
+                local_dir,
+                direct=self.config.direct_io,
+                sync_files=self.config.fsync,
+                thread_count=self.config.write_threads,
+                overwrite=False,
             )
             dcp.save(
                 staged,
@@ -286,7 +299,7 @@ class Pipeline:
             if job.rank_skeleton is not None:
                 mine.append((rank_state_file(self.rank), "state"))
                 self._write_json(local_dir, rank_state_file(self.rank), job.rank_skeleton)
-            entries = proofs.hashed(local_dir, self.rank, mine)
+            entries = proofs.hashed(local_dir, self.rank, mine, writer.hashes)
             timings["hash_s"] = time.monotonic() - t0
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

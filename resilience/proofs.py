@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
+from resilience.direct_io import Written
 from resilience.layout import proof_file
 from resilience.manifest import FileEntry, hash_stream
 
@@ -48,27 +49,44 @@ class Seen:
 
     @classmethod
     def of(cls, path: str, xxh3_64: str) -> Seen:
-        st = os.stat(path)
+        return cls.from_stat(os.stat(path), xxh3_64)
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result, xxh3_64: str) -> Seen:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, xxh3_64)
 
 
-def hashed(directory: str, rank: int, names: Sequence[tuple[str, str]]) -> list[FileEntry]:
-    """The manifest entries of rank ``rank``'s files in ``directory`` (``(name, kind)`` pairs), each hashed, and
-    the proof of what was hashed recorded beside them."""
-    entries = []
+def hashed(
+    directory: str, rank: int, names: Sequence[tuple[str, str]], known: Mapping[str, Written] | None = None
+) -> list[FileEntry]:
+    """The manifest entries of rank ``rank``'s files in ``directory`` (``(name, kind)`` pairs), and the proof of
+    what was hashed recorded beside them. A file in ``known`` (hashed by its writer as it wrote it) is taken
+    from there, unless its size on disk is not the writer's; any other is read and hashed."""
+    known = known or {}
+    entries, seen = [], {}
     for name, kind in names:
-        with open(os.path.join(directory, name), "rb") as stream:
-            digest, size = hash_stream(stream)
+        path = os.path.join(directory, name)
+        written = known.get(name)
+        if written is not None and os.stat(path).st_size == written.size:
+            digest, size = written.xxh3_64, written.size
+            seen[name] = Seen.from_stat(written.stat, digest)
+        else:
+            with open(path, "rb") as stream:
+                digest, size = hash_stream(stream)
         entries.append(FileEntry(name, size, digest, rank, kind))
-    record(directory, rank, entries)
+    record(directory, rank, entries, seen)
     return entries
 
 
-def record(directory: str, rank: int, entries: Iterable[FileEntry]) -> None:
-    """Write rank ``rank``'s proof for ``entries`` (files of ``directory`` it has just hashed). Best effort, and
-    not synced: a proof lost or torn in a crash only means the next resume hashes these files."""
+def record(directory: str, rank: int, entries: Iterable[FileEntry], seen: Mapping[str, Seen] | None = None) -> None:
+    """Write rank ``rank``'s proof for ``entries`` (files of ``directory`` it has just hashed; ``seen``: those
+    its writer stat-ed itself as it finished them). Best effort, and not synced: a proof lost or torn in a
+    crash only means the next resume hashes these files."""
+    seen = seen or {}
     try:
-        files = {e.path: asdict(Seen.of(os.path.join(directory, e.path), e.xxh3_64)) for e in entries}
+        files = {
+            e.path: asdict(seen.get(e.path) or Seen.of(os.path.join(directory, e.path), e.xxh3_64)) for e in entries
+        }
         body = json.dumps({"version": VERSION, "recorded_ns": time.time_ns(), "files": files}).encode()
         path = os.path.join(directory, proof_file(rank))
         with open(path, "wb") as out:

@@ -299,6 +299,7 @@ def _write_share(
     stager = HostStager(pin_memory=False)
     staged = stager.stage(tensors, packs=packs).wait()  # a copy off the device; the training thread is stopped
     os.makedirs(step_dir, exist_ok=True)
+    # Buffered, whatever direct_io says: a restart in place reads this save back at once, from the page cache.
     writer = _SoloWriter(step_dir, rank, sync_files=manager.config.fsync)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "existing checkpoint": other survivors' files in the same folder
@@ -313,7 +314,7 @@ def _write_share(
         with open(os.path.join(step_dir, PACKS_FILE), "wb") as out:
             out.write(layout.encoded)
         names.append((PACKS_FILE, "packs"))
-    return proofs.hashed(step_dir, rank, names), _Share(layout, needed)
+    return proofs.hashed(step_dir, rank, names, writer.hashes), _Share(layout, needed)
 
 
 def _commit(

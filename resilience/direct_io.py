@@ -1,0 +1,210 @@
+"""Shard files written past the page cache, and hashed while they are written.
+
+A buffered write of a checkpoint costs the kernel a page-cache page per 4 KiB: allocated (on a VM, often memory
+the host must back anew), filled, written back, and later reclaimed, in whichever process needs memory then,
+the training process included. At gigabytes per save that is seconds of system CPU per save on the cores
+training uses (issue 18 measured 2.4 s of system time per 1.6 GB written, against 0.1 s with ``O_DIRECT``).
+With ``O_DIRECT`` the device reads the bytes from a few reused, page-aligned buffers; nothing is cached, so
+nothing has to be reclaimed. Peers that write checkpoints at NVMe speed do the same (DeepSpeed's FastPersist).
+
+The bytes are hashed from those same buffers as they go out, so the commit's checksum costs no second read of
+the file (with ``O_DIRECT`` there is no cached copy to read, it would be a read from the device). What the
+checksum then vouches for: the bytes this writer handed to the kernel, in order. A file something else wrote
+into afterwards no longer matches it, which every later verification finds, as it would with a hash read back.
+
+Where a file system refuses ``O_DIRECT`` (``EINVAL``, at open or at the first write) the same stream writes
+through the page cache instead, still hashing as it goes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import io
+import mmap
+import os
+import threading
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+# O_DIRECT wants the buffer's address, the file offset and the length aligned to the device's logical block:
+# 4 KiB covers every block size in use (512 B and 4 KiB). Linux-only flag; elsewhere, buffered writes.
+ALIGN = 4096
+CHUNK = 8 << 20
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one finished file's writer saw: its checksum and length, and its ``fstat`` right after the last
+    write (and fsync), taken through the same descriptor, for the node's proof (:mod:`resilience.proofs`)."""
+
+    xxh3_64: str
+    size: int
+    stat: os.stat_result
+
+
+class _Buffers:
+    """Page-aligned buffers of ``CHUNK`` bytes, kept for the life of the process and reused by every file: a
+    fresh buffer per file would pay its first touch of memory every save."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, CHUNK)  # anonymous maps are page-aligned
+
+    def give(self, buffer: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(buffer)
+
+
+_BUFFERS = _Buffers()
+
+
+class HashedFileStream(io.IOBase):
+    """A write-only file stream that hashes what it writes and, with ``direct``, writes it with ``O_DIRECT``.
+
+    Writes gather in an aligned buffer and go out ``CHUNK`` bytes at a time; the unaligned tail goes out at
+    :meth:`close` through the page cache (``O_DIRECT`` cleared on the descriptor), then the file is synced if
+    ``fsync``. Only then is the file's :class:`Written` reported to ``done``; a stream closed after an error
+    reports nothing.
+    """
+
+    def __init__(self, path: str, *, direct: bool, fsync: bool, done: Any) -> None:
+        super().__init__()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self._direct = bool(direct and O_DIRECT)
+        try:
+            self._fd = os.open(path, flags | (O_DIRECT if self._direct else 0), 0o644)
+        except OSError as exc:
+            if not self._direct or exc.errno != errno.EINVAL:
+                raise
+            self._direct = False
+            self._fd = os.open(path, flags, 0o644)
+        self._buffer = _BUFFERS.take()
+        self._view = memoryview(self._buffer)
+        self._fill = 0
+        self._size = 0
+        self._digest = xxhash.xxh3_64()
+        self._fsync = fsync
+        self._done = done
+        self._failed = False
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._size
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        count = len(view)
+        taken = 0
+        try:
+            while taken < count:
+                step = min(count - taken, CHUNK - self._fill)
+                self._view[self._fill : self._fill + step] = view[taken : taken + step]
+                self._fill += step
+                taken += step
+                if self._fill == CHUNK:
+                    self._send(CHUNK)
+                    self._fill = 0
+        except BaseException:
+            self.abandon()
+            raise
+        self._size += count
+        return count
+
+    def abandon(self) -> None:
+        """Make :meth:`close` only close: the file is left as it is and never reported (its writer failed)."""
+        self._failed = True
+
+    def flush(self) -> None:
+        """Nothing to do: the buffer goes out when full or at :meth:`close` (an unaligned flush would end
+        ``O_DIRECT`` for the rest of the file)."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if not self._failed:
+                self._finish()
+        finally:
+            os.close(self._fd)
+            self._view.release()
+            _BUFFERS.give(self._buffer)
+            super().close()
+
+    def _finish(self) -> None:
+        aligned = self._fill - self._fill % ALIGN
+        if aligned:
+            self._send(aligned)
+        if self._fill > aligned:
+            self._buffered()
+            self._digest.update(self._view[aligned : self._fill])
+            self._write_all(self._view[aligned : self._fill])
+        if self._fsync:
+            os.fsync(self._fd)
+        self._done(Written(self._digest.hexdigest(), self._size, os.fstat(self._fd)))
+
+    def _send(self, count: int) -> None:
+        """Hash and write the first ``count`` bytes of the buffer (a multiple of ``ALIGN``)."""
+        chunk = self._view[:count]
+        self._digest.update(chunk)
+        self._write_all(chunk)
+
+    def _write_all(self, chunk: memoryview) -> None:
+        written = 0
+        while written < len(chunk):
+            try:
+                written += os.write(self._fd, chunk[written:])
+            except OSError as exc:
+                if not self._direct or exc.errno != errno.EINVAL:
+                    raise
+                self._buffered()  # this file system takes O_DIRECT at open but not in writes
+
+    def _buffered(self) -> None:
+        if self._direct:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~O_DIRECT)
+            self._direct = False
+
+
+class HashedFileSystem(FileSystem):
+    """DCP's local file system whose new files are :class:`HashedFileStream` s; :attr:`written` maps each
+    finished file's name (relative to its folder) to its :class:`Written`."""
+
+    def __init__(self, *, direct: bool, fsync: bool) -> None:
+        super().__init__()
+        self.direct = direct
+        self.fsync = fsync
+        self.written: dict[str, Written] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = os.path.basename(os.fspath(path))
+
+        def done(written: Written) -> None:
+            self.written[name] = written
+
+        stream = HashedFileStream(os.fspath(path), direct=self.direct, fsync=self.fsync, done=done)
+        try:
+            yield stream
+        except BaseException:
+            stream.abandon()
+            raise
+        finally:
+            stream.close()
