@@ -79,6 +79,7 @@ class ResiliencePlugin:
     on_upload_error: str | None = env.setting("raise", env.text)
     verify: str | None = env.setting("auto", env.text)
     fsync: bool | None = env.setting(True, env.boolean)
+    direct_io: bool | None = env.setting(True, env.boolean)
     upload_concurrency: int | None = env.setting(8, env.integer)
     upload_retries: int | None = env.setting(5, env.integer)
     upload_backoff_s: float | None = env.setting(0.5, env.number)

@@ -77,6 +77,7 @@ class ResilientCheckpointIO(CheckpointIO):
         when_busy: WhenBusy = "wait",
         verify: VerifyLevel = "auto",
         fsync: bool = True,
+        direct_io: bool = True,
         upload_concurrency: int = 8,
         upload_retries: int = 5,
         upload_backoff_s: float = 0.5,

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
@@ -70,6 +71,20 @@ class HelperSettings:
     preload: tuple[str, ...] = ()
     environ: dict[str, str] = field(default_factory=dict)  # the training process's, as of this helper's start
     parent_pid: int = 0
+
+
+@dataclass(frozen=True)
+class Call:
+    """One function to run in a helper forked for it: a module-level function with picklable arguments, run
+    with the training process's environment, log level and preloads as of the call."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    log_level: int
+    preload: tuple[str, ...]
+    environ: dict[str, str]
+    parent_pid: int
 
 
 @dataclass(frozen=True)
@@ -400,6 +415,33 @@ def _unpickled(data: bytes) -> CheckpointError:
     return exc if isinstance(exc, CheckpointError) else CheckpointError(describe(exc))
 
 
+def call_in_helper(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)`` run in a helper process forked for this call, off the training process;
+    its result, or its exception raised here. Blocks the calling thread (not the interpreter lock) until then.
+    A helper that dies first raises :class:`CheckpointError`: whatever the function writes must therefore be
+    whole or absent when it is cut short (as :func:`resilience.export.atomic_output` makes a file)."""
+    conn = ForkServer.get().connect()
+    try:
+        conn.send(Call(function, args, kwargs, helper_log_level(), helper_preload(), dict(os.environ), os.getpid()))
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            target = getattr(function, "func", function)  # a functools.partial names its function
+            raise CheckpointError(
+                f"the helper process running {target.__module__}.{target.__qualname__} died before it finished"
+            ) from None
+    finally:
+        conn.close()
+    if kind == "error":
+        data, text = payload
+        try:
+            error = pickle.loads(data)
+        except Exception:  # an exception type whose arguments do not survive pickling
+            error = CheckpointError(text)
+        raise error
+    return payload
+
+
 # ---- the helper process ------------------------------------------------------------------------------------------
 
 
@@ -424,7 +466,11 @@ def _serve(address: str, keepalive_fd: int) -> None:
                 listener.close()
                 os.close(keepalive_fd)
                 try:
-                    _helper_main(conn, conn.recv())
+                    first = conn.recv()
+                    if isinstance(first, Call):
+                        _call_main(conn, first)
+                    else:
+                        _helper_main(conn, first)
                 finally:
                     os._exit(0)
             conn.close()  # the child holds it now: its death is an EOF the training process sees
@@ -436,18 +482,33 @@ def _reap() -> None:
             pass
 
 
+def _become(environ: dict[str, str], parent_pid: int, log_level: int, preload: tuple[str, ...]) -> None:
+    """A forked helper takes on its training process's settings."""
+    os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
+    os.environ.update(environ, RESILIENCE_HELPER_PARENT_PID=str(parent_pid))
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    for module in preload:  # instrumentation of the helper: tracing, profiling, fault drills
+        importlib.import_module(module)
+
+
+def _call_main(conn: Connection, call: Call) -> None:
+    """Run one :class:`Call` and send back its result or its exception."""
+    _become(call.environ, call.parent_pid, call.log_level, call.preload)
+    try:
+        result = ("ok", call.function(*call.args, **call.kwargs))
+    except BaseException as exc:
+        result = ("error", (_pickled(exc), describe(exc)))
+    conn.send(result)
+
+
 def _helper_main(conn: Connection, settings: HelperSettings) -> None:
     """Run this rank's part of the pipeline on what the training process sends, until told to close."""
     from resilience.dist import Groups
     from resilience.pipeline import Pipeline, WriteJob
     from resilience.storage import DurableTier, LocalTier
 
-    os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
-    os.environ.update(settings.environ, RESILIENCE_HELPER_PARENT_PID=str(settings.parent_pid))
-    logging.basicConfig(level=settings.log_level, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    for module in settings.preload:  # instrumentation of the helper: tracing, profiling, fault drills
-        importlib.import_module(module)
+    _become(settings.environ, settings.parent_pid, settings.log_level, settings.preload)
     config, topology = settings.config, settings.topology
     send_lock = threading.Lock()
 
@@ -564,4 +625,8 @@ def start_store(topology: Topology, control: Any) -> tuple[str, int, Any]:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1], int(sys.argv[2]))
+    # The imported module's server, not this ``__main__`` copy's: what the training process sends is pickled
+    # as resilience.helper's classes, and the server tells a Call from HelperSettings by class.
+    import resilience.helper
+
+    resilience.helper._serve(sys.argv[1], int(sys.argv[2]))

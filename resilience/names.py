@@ -20,6 +20,7 @@ the framework: the adapter only says when a name is asked for, removed or loaded
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -69,11 +70,15 @@ class NameWriter:
     Args:
         local: The engine's local tier (the step directories are read from it).
         allow_pickle: Whether a name rewritten after a restart may unpickle what its step holds.
+        off_process: Write each name's file in a helper process forked for it (the engine's
+            ``persist="process"``): reading the step back and serialising it would otherwise compete with the
+            training thread for the interpreter lock. This thread only waits for it.
     """
 
-    def __init__(self, local: LocalTier, *, allow_pickle: bool = False):
+    def __init__(self, local: LocalTier, *, allow_pickle: bool = False, off_process: bool = False):
         self.local = local
         self.allow_pickle = allow_pickle
+        self.off_process = off_process
         self._path = os.path.join(local.root, REGISTRY)
         self._lock = threading.Lock()
         self._names: dict[str, Name] = self._read()
@@ -207,7 +212,8 @@ class NameWriter:
                     extra=extra,
                 )
             else:
-                write_name(
+                write = functools.partial(
+                    write_name,
                     self.local,
                     name.step,
                     name.path,
@@ -217,6 +223,12 @@ class NameWriter:
                     allow_pickle=allow_pickle,
                     storage_options=self._options.get(name.path),
                 )
+                if self.off_process:
+                    from resilience.helper import call_in_helper  # imports torch.distributed: only when used
+
+                    call_in_helper(write)
+                else:
+                    write()
         except BaseException:
             log.exception("writing the checkpoint file %s failed", name.path)
             raise
@@ -253,7 +265,9 @@ def repaired_writer(manager: CheckpointManager) -> NameWriter | None:
     unwritten queued again at once."""
     if manager.rank != 0:
         return None
-    names = NameWriter(manager.local, allow_pickle=manager.config.allow_pickle)
+    names = NameWriter(
+        manager.local, allow_pickle=manager.config.allow_pickle, off_process=manager.config.persist == "process"
+    )
     names.repair(manager.committed_steps())
     return names
 

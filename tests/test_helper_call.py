@@ -1,0 +1,63 @@
+"""One function run in a helper process forked for it (how rank 0 writes Lightning's ``.ckpt`` names off the
+training process): its result comes back, its exception is raised here, and a helper that dies is an error,
+never a silent success."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from resilience import CheckpointConfig, CheckpointManager, export
+from resilience.errors import CheckpointError
+from resilience.helper import call_in_helper
+from resilience.names import NameWriter
+
+
+class Unrebuildable(Exception):
+    def __init__(self, code: int, why: str):  # two required arguments: pickling keeps only str(self)
+        super().__init__(f"{code}: {why}")
+
+
+def _raise_unrebuildable() -> None:
+    raise Unrebuildable(7, "no")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_call_runs_in_another_process_and_returns_its_result() -> None:
+    assert call_in_helper(os.getpid) != os.getpid()
+    assert call_in_helper(divmod, 17, 5) == (3, 2)
+    assert call_in_helper(os.getenv, "RESILIENCE_HELPER_PARENT_PID") == str(os.getpid())
+
+
+def test_a_calls_exception_is_raised_in_the_caller() -> None:
+    with pytest.raises(FileNotFoundError):
+        call_in_helper(os.stat, "/no/such/file/here")
+    with pytest.raises(CheckpointError, match="7: no"):
+        call_in_helper(_raise_unrebuildable)
+
+
+def test_a_helper_that_dies_mid_call_is_an_error() -> None:
+    with pytest.raises(CheckpointError, match="died before it finished"):
+        call_in_helper(_die)
+
+
+def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # This process's file writer is broken: only a helper (forked from a clean server) can write the name.
+    def broken(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the name was written in the training process")
+
+    monkeypatch.setattr(export, "write_torch_file", broken)
+    state = {"w": torch.randn(300, 100)}
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt")) as manager:
+        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
+        names = NameWriter(manager.local, off_process=True)
+        names.add(str(tmp_path / "out" / "last.ckpt"), 3, ["state_dict"], handle, run_id=None).result()
+    loaded = torch.load(tmp_path / "out" / "last.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], state["w"])
