@@ -72,14 +72,22 @@ from benchmarks.common import (
 )
 
 BATCH = 8
-NO_SAVES, SAVE_STATE, OURS_ASYNC, OURS_SYNC, FLOOR = (
+NO_SAVES, SAVE_STATE, OURS_ASYNC, OURS_SYNC, OURS_BUFFERED, FLOOR = (
     "no saves",
     "accelerator.save_state (Accelerate's own)",
     "ours: attach(), async staging (the plugin's default)",
     "ours: attach(), sync staging",
+    "ours: attach(), async staging, buffered writes (direct_io=False)",
     "floor: copy into preallocated buffers",
 )
-ADDED_KEYS = {"save-state": SAVE_STATE, "ours-async": OURS_ASYNC, "ours-sync": OURS_SYNC, "floor": FLOOR}
+OURS = (OURS_ASYNC, OURS_SYNC, OURS_BUFFERED)
+ADDED_KEYS = {
+    "save-state": SAVE_STATE,
+    "ours-async": OURS_ASYNC,
+    "ours-sync": OURS_SYNC,
+    "ours-buffered": OURS_BUFFERED,
+    "floor": FLOOR,
+}
 
 
 def accelerate_save(accelerator: Accelerator, folder: Path) -> tuple[float, float, float]:
@@ -119,8 +127,9 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
     gc.collect()
     wall, cpu = now(), cpu_seconds()
     resilience = None
-    if variant in (OURS_ASYNC, OURS_SYNC):
-        resilience = attach(accelerator, ResiliencePlugin(keep_last=2, async_staging=variant == OURS_ASYNC))
+    if variant in OURS:
+        plugin = ResiliencePlugin(keep_last=2, async_staging=variant != OURS_SYNC, direct_io=variant != OURS_BUFFERED)
+        resilience = attach(accelerator, plugin)
     saves = 0
     for step, (batch,) in enumerate(data, start=1):
         optimizer.zero_grad(set_to_none=True)
@@ -171,7 +180,7 @@ def added(args: argparse.Namespace) -> None:
         no_saves=NO_SAVES,
         floor=FLOOR,
         rival=SAVE_STATE,
-        ours=[v for v in (OURS_ASYNC, OURS_SYNC) if v in variants],
+        ours=[v for v in OURS if v in variants],
         notes=[
             "A run spans `attach()` (ours), the loop and the wait for its last save (committed, for ours). "
             "Accelerate's files go to the page cache without fsync; ours fsyncs before it commits; the floor "
