@@ -279,6 +279,13 @@ def added_per_save(fits: Mapping[str, Sequence[Sample]], variant: str, no_saves:
     return Stats.of((fit[key] - base[key]) / fit["saves"] for fit, base in pairs if fit["saves"])
 
 
+def throughput_vs_no_saves(fits: Mapping[str, Sequence[Sample]], variant: str, no_saves: str, key: str) -> Stats:
+    """Median [IQR] over rounds of the same round's no-save run's time over the variant's: the share of the
+    no-save training rate the variant keeps (1.0: saves cost nothing)."""
+    pairs = zip(fits[variant], fits[no_saves], strict=True)
+    return Stats.of(base[key] / fit[key] for fit, base in pairs if fit[key] > 0)
+
+
 def report_added(
     report: Report,
     fits: Mapping[int, Mapping[str, Sequence[Sample]]],
@@ -295,8 +302,9 @@ def report_added(
         _report_interval(report, every, by_variant, steps, no_saves, floor, rival, ours)
     report.add(
         "- Added per save = (the run's time - the same round's no-save run's) / the run's saves, per round; "
-        "median [IQR] over rounds; ratios are of medians. CPU = user + system seconds of the training process "
-        "(all threads) and of every process it started, live or exited (our helper process included; "
+        "median [IQR] over rounds; ratios are of medians. Throughput vs no saves = the same round's no-save run's "
+        "time / the run's, per round (by CPU: the same with CPU seconds). CPU = user + system seconds of the "
+        "training process (all threads) and of every process it started, live or exited (our helper process included; "
         "`common.cpu_seconds`), over the same span as the wall time. A negative value: that save cost less than "
         "the noise between two runs."
     )
@@ -366,18 +374,30 @@ def _report_interval(
     report.heading(f"A save every {every} steps (saves per run of {steps} steps: {'/'.join(map(str, saves))})")
     base = {key: Stats.of(fit[key] for fit in by_variant[no_saves]) for key in ("wall", "cpu")}
     report.table(
-        ["variant", "run wall", "added wall per save", "x floor", "run CPU", "added CPU per save", "x floor (CPU)"],
         [
-            [no_saves, base["wall"].fmt(2), "-", "-", base["cpu"].fmt(2), "-", "-"],
+            "variant",
+            "run wall",
+            "added wall per save",
+            "x floor",
+            "throughput vs no saves",
+            "run CPU",
+            "added CPU per save",
+            "x floor (CPU)",
+            "throughput by CPU",
+        ],
+        [
+            [no_saves, base["wall"].fmt(2), "-", "-", "-", base["cpu"].fmt(2), "-", "-", "-"],
             *(
                 [
                     v,
                     Stats.of(fit["wall"] for fit in by_variant[v]).fmt(2),
                     per_save(v, "wall").fmt(),
                     x_floor(v, "wall"),
+                    throughput_vs_no_saves(by_variant, v, no_saves, "wall").fmt(),
                     Stats.of(fit["cpu"] for fit in by_variant[v]).fmt(2),
                     per_save(v, "cpu").fmt(),
                     x_floor(v, "cpu"),
+                    throughput_vs_no_saves(by_variant, v, no_saves, "cpu").fmt(),
                 ]
                 for v in variants
             ),
