@@ -5,7 +5,10 @@ Lightning's TorchCheckpointIO (one ``.ckpt`` file). Then fresh processes take tu
 and loads the newest committed checkpoint, ``trainer.fit(model)``), Lightning's own (``trainer.fit(model,
 ckpt_path=...ckpt)``), and the floor, a process that only reads the checkpoint's bytes into memory. Each
 process reports when its first resumed step started and ended; the time counts from just before the process
-was started. The files were just written, so every variant reads them from the page cache.
+was started. The files were just written: Lightning's ``.ckpt`` went through the page cache, ours past it
+(``direct_io``), so ours is read from the disk by the first process that reads it and from the cache after
+that. ``--cold`` drops the page cache (root only) before every process, so each reads its files from the disk,
+as a relaunch on a rebooted or replaced node does.
 
 Ours runs with its defaults, so its time holds all a default resume does: the engine's start, whose helper
 process (``persist="process"``) comes from a fork server that imports torch and the engine in an interpreter of
@@ -13,12 +16,13 @@ its own, discovery with full verification (``verify="auto"`` checksums every loc
 checkpoint), and the load, packed small tensors unpacked from their flat buffers. Lightning's own load is one
 ``torch.load`` of its ``.ckpt``, unverified.
 
-    .venv/bin/python -m benchmarks.bench_resume [--size-gb 1.6] [--repeats 3] [--dir DIR]
+    .venv/bin/python -m benchmarks.bench_resume [--size-gb 1.6] [--repeats 3] [--dir DIR] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -111,8 +115,23 @@ def read_floor(root: Path) -> None:
     emit({"end": time.time()})
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_page_cache() -> None:
+    """Write back dirty pages, then drop every clean page cached (all files of the machine: root only)."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as control:
+            control.write("1\n")
+    except OSError as exc:
+        raise SystemExit(f"--cold needs to write {DROP_CACHES} (root, a writable /proc): {exc}") from None
+
+
 def launch(variant: str, root: Path, args: argparse.Namespace) -> dict[str, float]:
     """Start a worker process; its report's times relative to the moment before the start."""
+    if args.cold:
+        drop_page_cache()
     command = [sys.executable, "-m", "benchmarks.bench_resume", "--worker", variant, "--dir", str(root)]
     command += ["--size-gb", str(args.size_gb), "--threads", str(args.threads)]
     started = time.time()
@@ -126,6 +145,7 @@ def launch(variant: str, root: Path, args: argparse.Namespace) -> dict[str, floa
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--worker", choices=("prepare", OURS, LIGHTNING, FLOOR), help=argparse.SUPPRESS)
+    p.add_argument("--cold", action="store_true", help="drop the page cache before every process (root only)")
     args = p.parse_args()
     if args.worker == FLOOR:  # before anything imports torch
         read_floor(Path(args.dir))
@@ -142,7 +162,8 @@ def main() -> None:
     report = Report(
         "Resume: process start to first resumed step (item 5)",
         f"Lightning, {LAYERS} x Linear({width}, {width}) + Adam, one CPU process per resume; {args.repeats} "
-        "rounds, variants in rotating order; median [IQR] in seconds from process start",
+        "rounds, variants in rotating order; median [IQR] in seconds from process start; page cache "
+        + ("dropped before every process (--cold)" if args.cold else "as the writes and earlier reads left it"),
     )
     samples: dict[str, list[dict[str, float]]] = {OURS: [], LIGHTNING: [], FLOOR: []}
     with scratch(args.dir, "resume") as root:
