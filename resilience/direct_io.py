@@ -1,4 +1,4 @@
-"""Shard files written past the page cache, and hashed while they are written.
+"""Checkpoint files written and read past the page cache; shards hashed while they are written.
 
 A buffered write of a checkpoint costs the kernel a page-cache page per 4 KiB: allocated (on a VM, often memory
 the host must back anew), filled, written back, and later reclaimed, in whichever process needs memory then,
@@ -14,6 +14,11 @@ into afterwards no longer matches it, which every later verification finds, as i
 
 Where a file system refuses ``O_DIRECT`` (``EINVAL``, at open or at the first write) the same stream writes
 through the page cache instead, still hashing as it goes.
+
+The same holds for the files made from a committed step: a Lightning name (the whole state again, in
+``torch.save``'s format, whose records :mod:`resilience.formats.torch_file` places on block boundaries for
+:func:`pwrite_aligned`) and the reads of a step that is not in the cache (:func:`open_for_read`: a name made
+from it, a resume, a verification). A file already cached is read through the cache, which is faster.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -208,3 +213,143 @@ class HashedFileSystem(FileSystem):
             raise
         finally:
             stream.close()
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+
+
+def open_for_read(path: str) -> IO[bytes]:
+    """``path`` opened for reading: past the page cache (:class:`DirectReader`) when the file is not cached,
+    as a shard written with ``O_DIRECT`` is not; an ordinary buffered file when it is (a copy in memory is
+    faster than the device) or when the file system refuses ``O_DIRECT``.
+
+    Reading a cold file through the cache costs, like writing one, a page-cache page per 4 KiB (here 1.4 s of
+    system CPU per 1.6 GB, against 0.04 s with ``O_DIRECT`` at twice the speed).
+    """
+    if O_DIRECT and not _cached(path):
+        try:
+            return cast(IO[bytes], DirectReader(path))
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return open(path, "rb")
+
+
+def _cached(path: str) -> bool:
+    """Whether the file's first, middle and last bytes are in the page cache (a sample: a file is cached whole
+    or not at all, as a rule, when it was just written or read). ``RWF_NOWAIT`` reads only from the cache."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return False
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        probe = bytearray(1)
+        for offset in {0, size // 2, max(size - 1, 0)}:
+            if size and os.preadv(fd, [probe], offset, nowait) != 1:
+                return False
+        return True
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
+        return False
+    finally:
+        os.close(fd)
+
+
+class DirectReader(io.RawIOBase):
+    """A read-only, seekable file read with ``O_DIRECT``, ``CHUNK`` aligned bytes at a time, into one of the
+    reused aligned buffers and copied out from there (the caller's buffer need not be aligned).
+
+    No ``fileno``: a caller that would map the file (:func:`resilience.manifest.hash_stream`) reads it instead,
+    since a map would fault every page into the cache this reader keeps out of.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        self._size = os.fstat(self._fd).st_size
+        self._buffer = _BUFFERS.take()
+        self._view = memoryview(self._buffer)
+        self._pos = 0
+        self._start = self._end = 0  # the file's bytes [start, end) are in the buffer
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        wanted = min(len(out), max(self._size - self._pos, 0))
+        done = 0
+        while done < wanted:
+            if not self._start <= self._pos < self._end and not self._fill():
+                break
+            take = min(wanted - done, self._end - self._pos)
+            at = self._pos - self._start
+            out[done : done + take] = self._view[at : at + take]
+            self._pos += take
+            done += take
+        return done
+
+    def _fill(self) -> bool:
+        """Read the aligned chunk holding the position; False at the end of the file."""
+        start = self._pos - self._pos % ALIGN
+        count = os.preadv(self._fd, [self._view], start)  # at the end of the file, fewer bytes
+        self._start, self._end = start, start + count
+        return self._pos < self._end
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            os.close(self._fd)
+        finally:
+            self._view.release()
+            _BUFFERS.give(self._buffer)
+            super().close()
+
+
+def reopen_direct(stream: IO[bytes]) -> int | None:
+    """A second, ``O_DIRECT`` write descriptor on the regular file ``stream`` has open (for its aligned parts,
+    while the rest goes through ``stream``); None where there is none to be had."""
+    name = getattr(stream, "name", None)
+    if not O_DIRECT or not isinstance(name, str):
+        return None
+    try:
+        fd = os.open(name, os.O_WRONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    if os.path.samestat(os.fstat(fd), os.fstat(stream.fileno())):
+        return fd
+    os.close(fd)
+    return None
+
+
+def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:
+    """Write ``data`` (a whole number of ``ALIGN`` blocks) at ``offset`` (aligned) through an ``O_DIRECT``
+    descriptor, a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
+    buffer = _BUFFERS.take()
+    view = memoryview(buffer)
+    try:
+        done = 0
+        while done < len(data):
+            count = min(CHUNK, len(data) - done)
+            view[:count] = data[done : done + count]
+            sent = 0
+            while sent < count:
+                sent += os.pwrite(fd, view[sent:count], offset + done + sent)
+            done += count
+    finally:
+        view.release()
+        _BUFFERS.give(buffer)

@@ -123,7 +123,8 @@ class StepReader:
         packs = {self.layout.slots[key].pack for key in packed}
         targets |= {pack: torch.empty(self.layout.sizes[pack], dtype=torch.uint8) for pack in packs}
         if targets:
-            read_tensors(self.entry, self.metadata, targets)
+            # Every target is this reader's own: the tensors DCP reads become them (no second copy in memory).
+            read_tensors(self.entry, self.metadata, targets, adopt=list(targets))
         if self.on_bytes is not None:
             self.on_bytes(sum(t.nbytes for t in targets.values()))
         values = {key: t for key, t in targets.items() if key not in packs}

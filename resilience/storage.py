@@ -26,6 +26,7 @@ from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from resilience.direct_io import open_for_read
 from resilience.errors import ConfigError
 from resilience.layout import PROBE_PREFIX, parse_step_dirname, step_dirname
 
@@ -217,6 +218,14 @@ class LocalTier(Tier):
         self.fs = LocalFileSystem()
         self.root = os.path.abspath(os.path.expanduser(text))
         self.url = self.root
+
+    def open(self, path: str, mode: str = "rb") -> IO[bytes]:
+        """Files are read past the page cache unless cached already (:func:`resilience.direct_io.open_for_read`):
+        a shard is written with ``O_DIRECT``, so a resume or a name made from it would otherwise fill the cache
+        with it, at a page's cost per 4 KiB."""
+        if mode == "rb":
+            return open_for_read(path)
+        return super().open(path, mode)
 
     def write_exclusive(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         write_local_exclusive(path, data, fsync=fsync)

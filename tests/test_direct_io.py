@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import struct
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,9 @@ import torch
 
 from resilience import CheckpointConfig, CheckpointManager, direct_io, proofs
 from resilience.direct_io import ALIGN, CHUNK, HashedFileStream, Written
-from resilience.manifest import Manifest, hash_bytes
+from resilience.export import write_name
+from resilience.formats import torch_file
+from resilience.manifest import Manifest, hash_bytes, hash_stream
 
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 12345]
 
@@ -131,3 +135,99 @@ def test_a_committed_step_written_past_the_page_cache_verifies_fully_and_its_pro
     assert restored is not None and restored.step == 1
     model = restored.state["model"]
     assert torch.equal(model["w"], state["w"]) and torch.equal(model["b"], state["b"])
+
+
+# ---- reading past the page cache, and names written with aligned records ---------------------------------------
+
+
+def _evicted(path: Path) -> None:
+    """Drop the file's pages from the page cache (no root needed: its pages are clean once synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _direct_reader_or_skip(path: Path) -> direct_io.DirectReader:
+    try:
+        return direct_io.DirectReader(str(path))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            pytest.skip(f"the file system under {path} refuses O_DIRECT reads")
+        raise
+
+
+@pytest.mark.parametrize("size", [0, 1, ALIGN + 1, CHUNK + 12345, 2 * CHUNK])
+def test_a_direct_reader_reads_the_files_bytes_at_any_position(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    with _direct_reader_or_skip(tmp_path / "f") as reader:
+        assert reader.read() == data
+        for start, length in [(0, 5), (size // 2, ALIGN + 3), (max(size - 3, 0), 10), (size + 5, 4), (3, CHUNK)]:
+            assert reader.seek(start) == start
+            assert reader.read(length) == data[start : start + length]
+            assert reader.tell() == min(start + length, max(size, start))
+        assert reader.seek(-1, os.SEEK_END) == size - 1 if size else reader.seek(0, os.SEEK_END) == 0
+        with pytest.raises(ValueError, match="negative seek"):
+            reader.seek(-1)
+    with open(tmp_path / "f", "rb") as plain, direct_io.DirectReader(str(tmp_path / "f")) as reader:
+        assert hash_stream(reader) == hash_stream(plain) == (hash_bytes(data), size)
+
+
+def test_a_file_out_of_the_cache_is_read_past_it_and_a_cached_one_through_it(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * ALIGN))
+    _direct_reader_or_skip(path).close()
+    _evicted(path)
+    if direct_io._cached(str(path)):
+        pytest.skip("this kernel keeps the file cached after POSIX_FADV_DONTNEED")
+    with direct_io.open_for_read(str(path)) as cold:
+        assert isinstance(cold, direct_io.DirectReader)
+        cold_bytes = cold.read()
+    path.read_bytes()  # now in the cache
+    assert direct_io._cached(str(path))
+    with direct_io.open_for_read(str(path)) as warm:
+        assert not isinstance(warm, direct_io.DirectReader)
+        assert warm.read() == cold_bytes == path.read_bytes()
+
+
+def test_a_refused_o_direct_read_opens_the_file_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "f").write_bytes(b"abc")
+
+    def refused(path: str) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(direct_io, "_cached", lambda path: False)
+    monkeypatch.setattr(direct_io, "DirectReader", refused)
+    with direct_io.open_for_read(str(tmp_path / "f")) as stream:
+        assert stream.read() == b"abc"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_name_is_a_valid_zip_with_aligned_records_that_loads_as_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    if not direct:
+        monkeypatch.setattr(torch_file, "reopen_direct", lambda stream: None)
+    state = {"w": torch.randn(1000, 999), "b": torch.arange(7.0), "tied": None, "n": 3}
+    state["tied"] = state["w"]
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="thread")) as manager:
+        manager.save(1, {"state_dict": state}, extra={"adapter": "lightning"})
+        manager.wait()
+        _evicted(next((tmp_path / "ckpt" / "step-1").glob("*.distcp")))  # the name reads it past the cache
+        write_name(manager.local, 1, str(tmp_path / "n.ckpt"), ["state_dict"], {}, verify=True, allow_pickle=False)
+    archive = zipfile.ZipFile(tmp_path / "n.ckpt")
+    assert archive.testzip() is None  # every record's CRC-32 is its bytes'
+    for info in archive.infolist():
+        if "/data/" in info.filename:
+            with open(tmp_path / "n.ckpt", "rb") as raw:
+                raw.seek(info.header_offset + 26)
+                name_length, extra_length = struct.unpack("<2H", raw.read(4))
+            assert (info.header_offset + 30 + name_length + extra_length) % ALIGN == 0, info.filename
+    loaded = torch.load(tmp_path / "n.ckpt", weights_only=True)["state_dict"]
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["n"] == 3
+    assert loaded["tied"].data_ptr() == loaded["w"].data_ptr()
