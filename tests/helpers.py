@@ -209,16 +209,21 @@ def reseal(step_dir: Path, name: str) -> None:
     edit_manifest(step_dir, match)
 
 
-def recording_open(reads: list[tuple[str, str]], original: Callable[..., IO[bytes]]) -> Callable[..., IO[bytes]]:
-    """A ``Tier.open`` that notes every shard file opened, with its tier (a local copy is checked, then read)."""
+def record_tier_opens(reads: list[tuple[str, str]], patch: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Make every tier's ``open`` note each shard file it opens, with its tier, in ``reads`` (a local copy is
+    checked, then read). ``patch``: ``monkeypatch.setattr`` in a test, plain ``setattr`` in a worker."""
+    from resilience.storage import LocalTier, Tier
 
-    def opened(self: Tier, path: str, mode: str = "rb") -> IO[bytes]:
-        stream = original(self, path, mode)  # only files that are there
-        if path.endswith(".distcp"):
-            reads.append((self.name, os.path.basename(path)))
-        return stream
+    for cls in (Tier, LocalTier):  # the local tier has an open of its own (it reads past the page cache)
+        original = cls.__dict__["open"]
 
-    return opened
+        def opened(self: Tier, path: str, mode: str = "rb", *, _original: Any = original) -> IO[bytes]:
+            stream = _original(self, path, mode)  # only files that are there
+            if path.endswith(".distcp") and mode == "rb":
+                reads.append((self.name, os.path.basename(path)))
+            return stream
+
+        patch(cls, "open", opened)
 
 
 S3_ENV = {

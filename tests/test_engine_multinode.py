@@ -27,8 +27,7 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.dist import Topology, node_identity
 from resilience.manifest import FileEntry, Manifest, hash_bytes
-from resilience.storage import Tier
-from tests.helpers import WORKERS, base_env, free_port, kill_job, recording_open
+from tests.helpers import WORKERS, base_env, free_port, kill_job, record_tier_opens
 from tests.workers.engine_worker import check_restored, state_for
 
 WORKER = WORKERS / "multinode_worker.py"
@@ -70,7 +69,7 @@ def load_recording_reads(
     """Load (the durable copy, as the local one is not loadable), check it bit-exact; the shard files opened."""
     reads: list[tuple[str, str]] = []
     with monkeypatch.context() as patch:
-        patch.setattr(Tier, "open", recording_open(reads, Tier.open))
+        record_tier_opens(reads, patch.setattr)
         with CheckpointManager(CheckpointConfig(local, durable_url=durable, **settings)) as loader:
             target = state_for(0, None)
             restored = loader.load(target)

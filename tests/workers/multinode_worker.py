@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from resilience import CheckpointError, CheckpointManager
-from resilience.storage import Tier
-from tests.helpers import recording_open
+from tests.helpers import record_tier_opens
 from tests.workers.engine_worker import check_restored, config, state_for
 
 
@@ -37,7 +36,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     reads: list[tuple[str, str]] = []
-    Tier.open = recording_open(reads, Tier.open)  # type: ignore[method-assign]
+    record_tier_opens(reads)
     report: dict[str, Any] = {"rank": rank, "root": root, "pid": os.getpid(), "restored": None, "errors": {}}
     if os.environ.get("TEST_FAIL_UPLOAD_ROOT") == root:  # before the manager starts its helper, which uploads
         os.environ.update(TEST_FAIL_UPLOAD_HERE="1", RESILIENCE_HELPER_PRELOAD="tests.workers.upload_faults")
