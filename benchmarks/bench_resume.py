@@ -69,7 +69,7 @@ def prepare(root: Path, size_gb: float) -> None:
     emit({"state": tensor_bytes(run.lightning_module.state_dict()) + tensor_bytes(run.optimizers[0].state_dict())})
 
 
-def resume(variant: str, root: Path, size_gb: float) -> None:
+def resume(variant: str, root: Path, size_gb: float, verify: str) -> None:
     """Resume the saved run and report when the first step after loading started and ended."""
     import lightning.pytorch as pl
 
@@ -92,7 +92,7 @@ def resume(variant: str, root: Path, size_gb: float) -> None:
         run = trainer(
             SAVED_STEP + 1,
             root,
-            plugins=[ResilientCheckpointIO(str(root / "ours"))],
+            plugins=[ResilientCheckpointIO(str(root / "ours"), verify=verify)],  # type: ignore[arg-type]
             callbacks=[AutoResume(), first],
         )
         run.fit(model, loader(model.width, SAVED_STEP + 1))
@@ -133,7 +133,7 @@ def launch(variant: str, root: Path, args: argparse.Namespace) -> dict[str, floa
     if args.cold:
         drop_page_cache()
     command = [sys.executable, "-m", "benchmarks.bench_resume", "--worker", variant, "--dir", str(root)]
-    command += ["--size-gb", str(args.size_gb), "--threads", str(args.threads)]
+    command += ["--size-gb", str(args.size_gb), "--threads", str(args.threads), "--verify", args.verify]
     started = time.time()
     proc = subprocess.run(command, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -146,6 +146,12 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--worker", choices=("prepare", OURS, LIGHTNING, FLOOR), help=argparse.SUPPRESS)
     p.add_argument("--cold", action="store_true", help="drop the page cache before every process (root only)")
+    p.add_argument(
+        "--verify",
+        choices=("auto", "full"),
+        default="auto",
+        help="ours: 'auto' (the default) trusts this node's proofs of its own shards, 'full' hashes every file",
+    )
     args = p.parse_args()
     if args.worker == FLOOR:  # before anything imports torch
         read_floor(Path(args.dir))
@@ -155,7 +161,7 @@ def main() -> None:
         prepare(Path(args.dir), args.size_gb)
         return
     if args.worker:
-        resume(args.worker, Path(args.dir), args.size_gb)
+        resume(args.worker, Path(args.dir), args.size_gb, args.verify)
         return
 
     width = width_for(args.size_gb)
@@ -163,7 +169,8 @@ def main() -> None:
         "Resume: process start to first resumed step (item 5)",
         f"Lightning, {LAYERS} x Linear({width}, {width}) + Adam, one CPU process per resume; {args.repeats} "
         "rounds, variants in rotating order; median [IQR] in seconds from process start; page cache "
-        + ("dropped before every process (--cold)" if args.cold else "as the writes and earlier reads left it"),
+        + ("dropped before every process (--cold)" if args.cold else "as the writes and earlier reads left it")
+        + f"; ours with verify={args.verify!r}",
     )
     samples: dict[str, list[dict[str, float]]] = {OURS: [], LIGHTNING: [], FLOOR: []}
     with scratch(args.dir, "resume") as root:
