@@ -92,7 +92,7 @@ def resume(variant: str, root: Path, size_gb: float, verify: str) -> None:
         run = trainer(
             SAVED_STEP + 1,
             root,
-            plugins=[ResilientCheckpointIO(str(root / "ours"), verify=verify)],  # type: ignore[arg-type]
+            plugins=[ResilientCheckpointIO(str(root / "ours"), verify=verify)],
             callbacks=[AutoResume(), first],
         )
         run.fit(model, loader(model.width, SAVED_STEP + 1))
