@@ -255,22 +255,13 @@ def _cached(path: str) -> bool:
         os.close(fd)
 
 
-class DirectReader(io.RawIOBase):
-    """A read-only, seekable file read with ``O_DIRECT``, ``CHUNK`` aligned bytes at a time, into one of the
-    reused aligned buffers and copied out from there (the caller's buffer need not be aligned).
+class SeekableReader(io.RawIOBase):
+    """A read-only raw stream of ``length`` bytes that keeps its own position; subclasses read at it."""
 
-    No ``fileno``: a caller that would map the file (:func:`resilience.manifest.hash_stream`) reads it instead,
-    since a map would fault every page into the cache this reader keeps out of.
-    """
-
-    def __init__(self, path: str) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._fd = os.open(path, os.O_RDONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
-        self._size = os.fstat(self._fd).st_size
-        self._buffer = _BUFFERS.take()
-        self._view = memoryview(self._buffer)
+        self._length = length
         self._pos = 0
-        self._start = self._end = 0  # the file's bytes [start, end) are in the buffer
 
     def readable(self) -> bool:
         return True
@@ -282,15 +273,32 @@ class DirectReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
+        position = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence] + offset
+        if position < 0:  # as a file answers (zipfile's search for its directory expects an OSError)
+            raise OSError(errno.EINVAL, f"negative seek position {position}")
+        self._pos = position
         return self._pos
+
+
+class DirectReader(SeekableReader):
+    """A read-only, seekable file read with ``O_DIRECT``, ``CHUNK`` aligned bytes at a time, into one of the
+    reused aligned buffers and copied out from there (the caller's buffer need not be aligned).
+
+    No ``fileno``: a caller that would map the file (:func:`resilience.manifest.hash_stream`) reads it instead,
+    since a map would fault every page into the cache this reader keeps out of.
+    """
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        super().__init__(os.fstat(fd).st_size)
+        self._fd = fd
+        self._buffer = _BUFFERS.take()
+        self._view = memoryview(self._buffer)
+        self._start = self._end = 0  # the file's bytes [start, end) are in the buffer
 
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")
-        wanted = min(len(out), max(self._size - self._pos, 0))
+        wanted = min(len(out), max(self._length - self._pos, 0))
         done = 0
         while done < wanted:
             if not self._start <= self._pos < self._end and not self._fill():

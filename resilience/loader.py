@@ -32,6 +32,7 @@ from torch.futures import Future
 
 from resilience import packing
 from resilience.catalog import Entry, check_file
+from resilience.direct_io import SeekableReader
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
@@ -329,29 +330,14 @@ class _VerifiedReader(FileSystemReader):
         return done
 
 
-class _Window(io.RawIOBase):
+class _Window(SeekableReader):
     """``length`` bytes of ``stream`` from its current position, as a file of their own (what ``torch.load``
     reads a DCP entry from)."""
 
     def __init__(self, stream: IO[bytes], length: int):
+        super().__init__(length)
         self._stream = stream
         self._start = stream.tell()
-        self._length = length
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, base + offset))
-        return self._pos
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
