@@ -65,8 +65,9 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
             if len(data) != record.size:
                 raise AssertionError(f"storage {key}: {len(data)} bytes to write into a record of {record.size}")
             record.crc = _crc32(data)
-            body = len(data) - len(data) % ALIGN if direct is not None and record.data_offset % ALIGN == 0 else 0
-            if body and direct is not None:
+            body = 0  # the record's whole blocks, written past the cache where it can be
+            if direct is not None and record.data_offset % ALIGN == 0:
+                body = len(data) - len(data) % ALIGN
                 try:
                     pwrite_aligned(direct, data[:body], record.data_offset)
                 except OSError as exc:
@@ -84,7 +85,8 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
 
 
 def _aligned_records() -> contextlib.AbstractContextManager[Any]:
-    """``torch.save`` placing storages on ``ALIGN`` boundaries (its setting since torch 2.6; 64 B before)."""
+    """``torch.save`` placing storages on ``ALIGN`` boundaries (its setting since torch 2.6; 64 B before). The
+    setting is global: a ``torch.save`` elsewhere in the process meanwhile gets the same (valid) alignment."""
     try:
         from torch.utils.serialization import config
     except ImportError:
