@@ -61,3 +61,27 @@ def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkey
         names.add(str(tmp_path / "out" / "last.ckpt"), 3, ["state_dict"], handle, run_id=None).result()
     loaded = torch.load(tmp_path / "out" / "last.ckpt", weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], state["w"])
+
+
+def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_dies")
+    monkeypatch.setenv("TEST_KILL_NAME_WRITER", "1")
+    state = {"w": torch.randn(300, 100)}
+    name = tmp_path / "out" / "last.ckpt"
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt")) as manager:
+        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
+        names = NameWriter(manager.local, off_process=True)
+        with pytest.raises(CheckpointError, match="died before it finished"):
+            names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
+        assert not name.exists()  # never half a file at the name: the helper died inside its temporary file
+        assert list(name.parent.glob(".last.ckpt.tmp-*"))
+        monkeypatch.setenv("TEST_KILL_NAME_WRITER", "0")
+        again = NameWriter(manager.local, off_process=True)  # the next start: the record says it is unwritten
+        again.repair(manager.committed_steps())
+        pending = again.pending(str(name))
+        assert pending is not None
+        pending.result()
+    loaded = torch.load(name, weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], state["w"])
