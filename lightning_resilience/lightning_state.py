@@ -2,7 +2,10 @@
 
 Lightning builds the checkpoint dict on every rank but writes only rank 0's, so the data loader position of the
 other ranks is lost. Here the loader states (``loops.fit_loop.state_dict.combined_loader``) and the RNG state
-go into the per-rank part; everything else is the shared part, identical across DDP ranks. The way back (a
+go into the per-rank part; everything else is the shared part. Of that, only the weights and the optimizer
+states are alike on every DDP rank, and the ranks write equal parts of them; the rest (callbacks above all:
+``ModelCheckpoint`` keeps the scores of a metric each rank logs from its own batches unless it is logged with
+``sync_dist=True``, and its file names may hold them) is rank 0's, as in Lightning's own file. The way back (a
 rank's dict, or the ``.ckpt`` a name holds) is plain data and lives in the engine
 (``resilience.formats.lightning_ckpt``), so that ``resilience export`` writes the same file without Lightning.
 """
@@ -20,6 +23,8 @@ from resilience.peer_loss import BoundarySnapshot
 from resilience.rng import capture_rng
 from resilience.session import SaveState
 
+REPLICATED = ("state_dict", "optimizer_states")  # the checkpoint dict's keys every DDP rank holds alike
+
 
 def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = None) -> SaveState:
     """(shared state, this rank's state, manifest extras); the caller's dict is not modified. With the
@@ -29,7 +34,7 @@ def split_checkpoint(checkpoint: dict[str, Any], trainer: pl.Trainer | None = No
     extra: dict[str, Any] = {k: checkpoint[k] for k in ("epoch", "global_step") if isinstance(checkpoint.get(k), int)}
     if trainer is not None:
         extra["logger_versions"] = continuity.logger_versions(trainer.loggers)
-    return SaveState(shared, rank_state, {"adapter": "lightning", **extra})
+    return SaveState(shared, rank_state, {"adapter": "lightning", **extra}, replicated=REPLICATED)
 
 
 def full_state(trainer: pl.Trainer) -> SaveState:

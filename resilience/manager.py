@@ -64,7 +64,7 @@ from resilience.proofs import Proofs
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
-from resilience.survivors import only_held_by, share_among
+from resilience.survivors import only_held_by, share_among, split_by_origin
 from resilience.tree import flatten
 from resilience.updates import before_update
 
@@ -390,6 +390,7 @@ class CheckpointManager:
         extra: dict[str, Any] | None = None,
         when_busy: WhenBusy | None = None,
         abstain: Collection[int] = (),
+        replicated: Collection[str] | None = None,
     ) -> SaveHandle | None:
         """Stage ``state`` and return; the rest happens in the background. Call on every rank.
 
@@ -399,6 +400,11 @@ class CheckpointManager:
         skipped because the previous one was still running and ``when_busy="skip"`` (the config's, unless
         given here: an emergency save always waits). Ranks in ``abstain`` (a GPU that must not be read) write
         none of the shared state: their replicas do; state they alone held makes the save fail, never commit.
+
+        ``replicated`` names the top-level keys of ``state`` that are alike on every rank (None: all). The plain
+        tensors under the other keys may differ per rank; the leader (the lowest rank that writes) writes its
+        own, with the skeleton that refers to them, and every rank gets those back: Lightning keeps rank 0's
+        checkpoint dict the same way.
         """
         t0 = time.monotonic()
         self._check_open()
@@ -424,7 +430,8 @@ class CheckpointManager:
         busy = self._inflight is not None and not self._inflight.committed.done()
         errors = self.pipeline.take_errors()
         flat = flatten(state)
-        layout = self._pack_layout(flat.tensors)
+        dealt, leaders = split_by_origin(flat.tensors, replicated)
+        layout = self._pack_layout(dealt)
         writers = [r for r in range(self.world_size) if r not in set(abstain)]
         alone = only_held_by(flat.tensors, set(abstain)) if abstain else []
         any_error, any_busy, any_alone, high, negated_low = self.groups.control.max(
@@ -474,14 +481,16 @@ class CheckpointManager:
         if not writers:
             raise CheckpointError("every rank abstains from this save: there is no healthy replica to write it")
         # packs are dealt out like replicated tensors of their size; this rank stages the ones it got
-        shared = share_among(layout.units(flat.tensors), self.rank, writers)
-        if shared and self.device_unreadable:
+        leader = self.rank == writers[0]
+        shared = share_among(layout.units(dealt), self.rank, writers)
+        if (shared or (leader and leaders)) and self.device_unreadable:
             raise CheckpointError(
                 f"rank {self.rank}'s GPU must not be read ({self.device_unreadable}), yet a save asked it for its "
                 "share: pass the sick ranks as abstain"
             )
-        packs = layout.shares(flat.tensors, [key for key in shared if key in layout.sizes])
+        packs = layout.shares(dealt, [key for key in shared if key in layout.sizes])
         tensors = {key: t for key, t in shared.items() if key not in packs}
+        tensors.update(leaders if leader else {})
         tensors.update(rank_flat.tensors if rank_flat else {})
         staging = self._stager.stage(tensors, asynchronous=self.config.async_staging, packs=packs)
         handle = SaveHandle(step)
@@ -498,7 +507,7 @@ class CheckpointManager:
             WriteJob(
                 step=step,
                 staging=staging,
-                skeleton=flat.skeleton,
+                skeleton=flat.skeleton if leader else None,
                 rank_skeleton=rank_flat.skeleton if rank_flat else None,
                 pickled=flat.pickled + (rank_flat.pickled if rank_flat else []),
                 extra=dict(extra or {}),

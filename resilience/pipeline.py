@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 class WriteJob:
     step: int
     staging: StagingJob
-    skeleton: Any
+    skeleton: Any  # on the leader only: None elsewhere
     rank_skeleton: Any
     pickled: list[str]
     extra: dict[str, Any]
@@ -291,11 +291,13 @@ class Pipeline:
             t0 = time.monotonic()
             mine = [(name, "shard") for name in sorted(writer.written)]
             if self.rank == 0:
-                mine += [(DCP_METADATA, "dcp-metadata"), (STATE_FILE, "state")]
-                self._write_json(local_dir, STATE_FILE, job.skeleton)
+                mine.append((DCP_METADATA, "dcp-metadata"))
                 if job.packs is not None:
                     mine.append((PACKS_FILE, "packs"))
                     self._write_bytes(local_dir, PACKS_FILE, job.packs)
+            if job.skeleton is not None:  # the leader's (the lowest rank writing)
+                mine.append((STATE_FILE, "state"))
+                self._write_json(local_dir, STATE_FILE, job.skeleton)
             if job.rank_skeleton is not None:
                 mine.append((rank_state_file(self.rank), "state"))
                 self._write_json(local_dir, rank_state_file(self.rank), job.rank_skeleton)

@@ -66,11 +66,13 @@ RngTiming = Literal["now", "start", "next_batch"]
 
 @dataclass(frozen=True)
 class SaveState:
-    """What the adapter hands the engine for one save: the shared tree, this rank's tree, manifest extras."""
+    """What the adapter hands the engine for one save: the shared tree, this rank's tree, manifest extras, and
+    which top-level keys of the shared tree every rank holds alike (None: all; see ``CheckpointManager.save``)."""
 
     state: Any
     rank_state: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    replicated: tuple[str, ...] | None = None
 
 
 StateBuilder = Callable[[int], SaveState]
@@ -606,7 +608,13 @@ class TrainingSession:
         with self.blocking():
             built = state if state is not None else self.build_state(step)
             handle = self.manager.save(
-                step, built.state, built.rank_state, extra=built.extra, when_busy=when_busy, abstain=abstain
+                step,
+                built.state,
+                built.rank_state,
+                extra=built.extra,
+                when_busy=when_busy,
+                abstain=abstain,
+                replicated=built.replicated,
             )
         if handle is not None:
             self._plan_saves += 1

@@ -22,6 +22,7 @@ import os
 import pickle
 import time
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +41,7 @@ from resilience.pipeline import PiecePlanner, RecordingWriter, versions
 from resilience.staging import HostStager
 from resilience.storage import fsync_dir
 from resilience.transfer import RetryPolicy, commit_durable, upload_files
-from resilience.tree import flatten
+from resilience.tree import flatten, tree_key
 
 if TYPE_CHECKING:
     from resilience.liveness import Liveness
@@ -113,6 +114,29 @@ def share_among(tensors: dict[str, torch.Tensor], rank: int, writers: list[int])
         if owner == rank:
             mine[key] = tensor
     return mine
+
+
+def split_by_origin(
+    tensors: dict[str, torch.Tensor], replicated: Collection[str] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(tensors dealt out among the replicas, tensors the leader writes as it holds them) of a shared state.
+
+    ``replicated``: the top-level keys of the state whose plain tensors every rank holds alike (a DDP model and
+    its optimizer), None for all of them. Plain tensors under the other keys may differ from rank to rank, in
+    value and in structure (a callback's best score of a metric each rank computes on its own data, a file name
+    holding it): of those, one rank's are written, the rank that writes the state's skeleton, which refers to
+    them; so its own set and values come back on every rank, as Lightning keeps rank 0's checkpoint. DTensors
+    are always dealt to their holders.
+    """
+    if replicated is None:
+        return tensors, {}
+    wanted = {tree_key(key) for key in replicated}
+    dealt: dict[str, torch.Tensor] = {}
+    leaders: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        alike = isinstance(tensor, DTensor) or key.split("/", 1)[0] in wanted
+        (dealt if alike else leaders)[key] = tensor
+    return dealt, leaders
 
 
 def missing_chunks(metadata: Metadata) -> list[str]:
@@ -275,10 +299,11 @@ def _write_share(
     rank = manager.rank
     step_dir = manager.local.step_path(step)
     flat = flatten(shared.state)
+    dealt, leaders = split_by_origin(flat.tensors, shared.replicated)
     config = manager.config
-    layout = packing.plan(flat.tensors, below_bytes=config.pack_tensor_bytes, pack_bytes=config.pack_bytes)
-    tensors = share_among(layout.units(flat.tensors), rank, survivors)
-    packs = layout.shares(flat.tensors, [key for key in tensors if key in layout.sizes])
+    layout = packing.plan(dealt, below_bytes=config.pack_tensor_bytes, pack_bytes=config.pack_bytes)
+    tensors = share_among(layout.units(dealt), rank, survivors)
+    packs = layout.shares(dealt, [key for key in tensors if key in layout.sizes])
     tensors = {key: t for key, t in tensors.items() if key not in packs}
     needed = [key for key in flat.tensors if key not in layout.slots] + list(layout.sizes)
     own = flatten(rank_state, prefix=rank_prefix(rank)) if rank_state is not None else None
@@ -286,8 +311,9 @@ def _write_share(
     if own is not None:
         tensors.update(own.tensors)
         skeletons[rank_state_file(rank)] = own.skeleton
-    if rank == survivors[0]:
+    if rank == survivors[0]:  # the leader: the skeleton, and the tensors it alone refers to
         skeletons[STATE_FILE] = flat.skeleton
+        tensors.update(leaders)
         for other in sorted(lost):
             found = liveness.boundary_state(other)
             if found is not None and found[0] == step:

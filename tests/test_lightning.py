@@ -211,6 +211,45 @@ def test_ddp_ranks_write_in_parallel_and_an_injected_xid_stops_both_for_a_bit_ex
     assert_same_params(ddp_reference, tmp_path / "final.pt")
 
 
+def best_k_lines(output: str, word: str) -> dict[tuple[int, int], Any]:
+    """The worker's ``SAVED rank step {...}`` lines by (rank, step), or ``RESTORED rank {...}`` by (rank, 0)."""
+    found = {}
+    for line in output.splitlines():
+        if line.startswith(f"{word} "):
+            parts = line.split(" ", 3 if word == "SAVED" else 2)
+            found[(int(parts[1]), int(parts[2]) if word == "SAVED" else 0)] = json.loads(parts[-1])
+    return found
+
+
+@pytest.mark.parametrize(
+    ("stop", "step", "leader"),
+    [
+        (["--kill-at", "10"], 8, 0),  # killed after step 10: the resume is from ModelCheckpoint's save of step 8
+        (["--health"], 6, 1),  # rank 0's GPU faults at step 6: it must not be read, so rank 1 leads that save
+    ],
+    ids=["kill-9", "xid-on-rank-0"],
+)
+def test_ddp_callbacks_that_differ_per_rank_save_and_come_back_as_the_leading_ranks(
+    tmp_path: Path, stop: list[str], step: int, leader: int
+) -> None:
+    """ModelCheckpoint ranks by a metric each rank logs from its own batches, and names its files by it, so its
+    best-k state differs per rank in values and in keys; Lightning keeps rank 0's. Every save must commit, and
+    a resume gives every rank the state of the rank that led the save (rank 0, unless its GPU must not be read)."""
+    drill = {"RESILIENCE_INJECT": "xid=79@step=6,rank=0"} if "--health" in stop else None
+    first = train(tmp_path, "--devices", "2", "--monitor", *stop, env=drill)
+    output = first.stdout + first.stderr
+    assert first.returncode in (-signal.SIGKILL, 69), output
+    saved = best_k_lines(output, "SAVED")
+    assert saved[(0, step)] != saved[(1, step)], "the ranks' best-k states were meant to differ"
+    assert steps(tmp_path)[-1] == step
+    resumed = train(tmp_path, "--devices", "2", "--monitor", *(["--health"] if "--health" in stop else []))
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    restored = best_k_lines(output, "RESTORED")
+    assert restored[(0, 0)] == restored[(1, 0)] == saved[(leader, step)], (restored, saved[(leader, step)])
+    assert output.count("FINISHED 20") == 2
+
+
 @pytest.mark.parametrize(
     ("how", "extra"),
     [

@@ -70,6 +70,33 @@ class Report(pl.Callback):
         print(f"START {json.dumps(body)}", flush=True)
 
 
+def _line(text: str) -> None:
+    """One line in one write: the ranks share stdout, and print's text and newline are two writes unbuffered."""
+    os.write(1, f"{text}\n".encode())
+
+
+class ShowBest(pl.Callback):
+    """One line per rank for each save (``SAVED``) and as training starts (``RESTORED``): ModelCheckpoint's
+    best-k state as this rank holds it (its current score aside, which Lightning does not restore)."""
+
+    @staticmethod
+    def _state(trainer: pl.Trainer) -> dict[str, object]:
+        best = trainer.checkpoint_callback
+        assert isinstance(best, ModelCheckpoint)
+        return {
+            "best_k_models": {os.path.basename(k): float(v) for k, v in sorted(best.best_k_models.items())},
+            "best_model_path": os.path.basename(best.best_model_path),
+            "best_model_score": None if best.best_model_score is None else float(best.best_model_score),
+            "kth_best_model_path": os.path.basename(best.kth_best_model_path),
+        }
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, *args: object) -> None:
+        _line(f"SAVED {trainer.global_rank} {trainer.global_step} {json.dumps(self._state(trainer))}")
+
+    def on_train_start(self, trainer: pl.Trainer, *args: object) -> None:
+        _line(f"RESTORED {trainer.global_rank} {json.dumps(self._state(trainer))}")
+
+
 class Sleep(pl.Callback):
     """Slow steps down, so that a test has time to send a signal mid-run."""
 
@@ -99,6 +126,12 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a signal")
     p.add_argument("--no-auto-resume", action="store_true")
     p.add_argument("--victim", help="RANK:STEP:kill|stop, a rank lost mid-run")
+    p.add_argument(
+        "--monitor",
+        action="store_true",
+        help="ModelCheckpoint keeps the top 2 by train_loss, which each rank logs from its own batches (no "
+        "sync_dist), in file names holding it; ShowBest prints its state",
+    )
     p.add_argument("--hang-min-s", type=float, default=10.0, help="the health watchdog's shortest hang")
     p.add_argument(
         "--fixed-buckets",
@@ -116,10 +149,21 @@ def main() -> None:
         storage_options=json.loads(os.environ.get("TEST_STORAGE_OPTIONS", "{}")),
         async_staging=args.async_staging,
     )
+    names = os.path.join(args.root, "names")
     callbacks: list[pl.Callback] = [
         Report(),
-        ModelCheckpoint(dirpath=os.path.join(args.root, "names"), every_n_train_steps=args.every, save_top_k=-1),
+        ModelCheckpoint(
+            dirpath=names,
+            every_n_train_steps=args.every,
+            monitor="train_loss",
+            save_top_k=2,
+            filename="{step}-{train_loss:.6f}",
+        )
+        if args.monitor
+        else ModelCheckpoint(dirpath=names, every_n_train_steps=args.every, save_top_k=-1),
     ]
+    if args.monitor:
+        callbacks.append(ShowBest())
     if not args.no_auto_resume:
         callbacks.append(AutoResume())
     if args.kill_at is not None:
