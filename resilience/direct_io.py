@@ -23,8 +23,10 @@ from it, a resume, a verification). A file already cached is read through the ca
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import io
 import mmap
 import os
@@ -236,23 +238,49 @@ def open_for_read(path: str) -> IO[bytes]:
 
 
 def _cached(path: str) -> bool:
-    """Whether the file's first, middle and last bytes are in the page cache (a sample: a file is cached whole
-    or not at all, as a rule, when it was just written or read). ``RWF_NOWAIT`` reads only from the cache."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None:
+    """Whether most of the file's pages are in the page cache, by ``mincore(2)`` on a read-only shared map of it.
+
+    A map faults nothing in and ``mincore`` only looks, so asking leaves a cold file cold. (A ``RWF_NOWAIT``
+    read, the other way to ask, starts readahead on a cold file and answers ``EAGAIN`` for a cached page that is
+    locked at that moment, which made a file just read look cold now and then.) The kernel answers for the page
+    cache only for a file the caller owns or may write, as here; elsewhere, or where it cannot tell, the answer
+    is "not cached", which only picks the slower way to read the same bytes.
+    """
+    libc = _libc()
+    if libc is None:
         return False
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        probe = bytearray(1)
-        for offset in {0, size // 2, max(size - 1, 0)}:
-            if size and os.preadv(fd, [probe], offset, nowait) != 1:
+        if size == 0:
+            return True
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return False
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            resident = (ctypes.c_ubyte * pages)()
+            if libc.mincore(address, size, resident) != 0:
                 return False
-        return True
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP: cannot tell
-        return False
+            return 2 * (pages - bytes(resident).count(0)) >= pages  # the low bit; the others are reserved
+        finally:
+            libc.munmap(address, size)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's ``mmap``, ``mincore`` and ``munmap``, typed (None where there is no ``mincore``)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    except (OSError, AttributeError):
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 class SeekableReader(io.RawIOBase):

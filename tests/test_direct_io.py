@@ -183,6 +183,7 @@ def test_a_file_out_of_the_cache_is_read_past_it_and_a_cached_one_through_it(tmp
     _evicted(path)
     if direct_io._cached(str(path)):
         pytest.skip("this kernel keeps the file cached after POSIX_FADV_DONTNEED")
+    assert not direct_io._cached(str(path)), "asking whether a file is cached must read none of it in"
     with direct_io.open_for_read(str(path)) as cold:
         assert isinstance(cold, direct_io.DirectReader)
         cold_bytes = cold.read()
