@@ -15,6 +15,7 @@ from resilience.config import CheckpointConfig
 from resilience.docstrings import document
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
+from resilience.helper import start_server_early
 from resilience.peer_loss import PeerLossConfig
 from resilience.session import GoodputConfig, IntervalConfig
 
@@ -109,7 +110,8 @@ class ResiliencePlugin:
             self.health_config(False)
         except ConfigError as exc:
             raise ConfigError(env.blame(str(exc), self.from_env, _ENGINE_NAMES)) from None
-        self.checkpoint_config(local_dir=self.local_dir or ".")
+        if self.checkpoint_config(local_dir=self.local_dir or ".").persist == "process":
+            start_server_early()
 
     def checkpoint_config(self, *, local_dir: str | None = None, keep_last: int | None = None) -> CheckpointConfig:
         """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator."""

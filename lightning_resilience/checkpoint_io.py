@@ -32,6 +32,7 @@ from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLeve
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
+from resilience.helper import start_server_early
 from resilience.logs import route_through
 from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
@@ -92,6 +93,8 @@ class ResilientCheckpointIO(CheckpointIO):
         root, options = LocalTier(local_root).root, dict(storage_options or {})
         self.config = env.pick(CheckpointConfig, locals(), local_root=root, storage_options=options)
         self.survivor_saves = survivor_saves
+        if self.config.persist == "process":
+            start_server_early()
         if first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
             for tier in self.config.tiers():
                 tier.check_writable()

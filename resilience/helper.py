@@ -171,6 +171,13 @@ class ForkServer:
                 time.sleep(0.02)
 
 
+def start_server_early() -> None:
+    """Start this process's fork server now, when the settings are made: its interpreter takes seconds to import
+    torch, and the first save would wait for it, stalling training where a name is written at once (which waits
+    for its commit). By the first save, seconds later (the framework's set-up, a resume), it is up."""
+    ForkServer.get()
+
+
 class HelperPipeline:
     """The training process's side: the same interface as :class:`~resilience.pipeline.Pipeline`.
 
