@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -348,6 +349,40 @@ def write_file_atomically(
     """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one."""
     with atomic_output(path, fsync=fsync, storage_options=storage_options) as stream:
         torch.save(obj, stream)
+
+
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[str]:
+    """Delete the temporary files :func:`atomic_output` left beside local ``path`` in processes that are gone (a
+    writer killed mid-file leaves its temporary file, never a partial ``path``); returns what it deleted.
+
+    Only files of this module's pattern whose process id no process on this host has now are touched: a
+    temporary file of a writer still running stays."""
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return []
+    target = text.removeprefix("file://")
+    directory, base = os.path.split(target)
+    pattern = re.compile(re.escape(f".{base}.tmp-") + r"([0-9]+)-[0-9a-f]{8}")
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory or "."):
+            found = pattern.fullmatch(entry.name)
+            if found is None or _alive(int(found.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager

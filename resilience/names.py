@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from resilience import catalog
-from resilience.export import METADATA_KEY, write_file_atomically, write_name
+from resilience.export import METADATA_KEY, remove_stale_temporaries, write_file_atomically, write_name
 from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
 from resilience.layout import parse_step_dirname
@@ -165,6 +165,8 @@ class NameWriter:
         with self._lock:
             missing = [n for n in self._names.values() if not n.written or not os.path.exists(n.path)]
         for name in missing:
+            for leftover in remove_stale_temporaries(name.path):  # the temporary file of the writer that died
+                log.info("removed %s, left by a writer of %s that died mid-file", leftover, name.path)
             if name.step in committed:
                 log.info("writing %s (step %d), which the previous run did not finish", name.path, name.step)
                 self.add(name.path, name.step, name.keys, None, name.run_id, layout=name.layout)

@@ -7,6 +7,7 @@ while streaming a state several times larger than the bound, the CLI's exit code
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -30,7 +31,7 @@ from lightning_resilience import ResilientCheckpointIO
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
-from resilience.export import METADATA_KEY, dcp_keys, export
+from resilience.export import METADATA_KEY, dcp_keys, export, remove_stale_temporaries
 from tests.helpers import ROOT, WORKERS, base_env
 from tests.workers.accelerate_train import Job, build_job, train
 
@@ -324,3 +325,18 @@ def test_a_step_folder_loads_with_plain_dcp_under_the_engines_keys(tmp_path: Pat
         return
     dcp.load(dcp_keys(target, "state_dict"), checkpoint_id=step)
     assert_same(dict(target), saved)
+
+
+def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    name = tmp_path / "best.ckpt"
+    dead, live, other = (
+        tmp_path / f".best.ckpt.tmp-{gone.pid}-0123abcd",
+        tmp_path / f".best.ckpt.tmp-{os.getpid()}-0123abcd",
+        tmp_path / f".last.ckpt.tmp-{gone.pid}-0123abcd",
+    )
+    for path in (name, dead, live, other):
+        path.write_bytes(b"x")
+    assert remove_stale_temporaries(str(name)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (name, live, other))

@@ -80,6 +80,7 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
         monkeypatch.setenv("TEST_KILL_NAME_WRITER", "0")
         again = NameWriter(manager.local, off_process=True)  # the next start: the record says it is unwritten
         again.repair(manager.committed_steps())
+        assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the dead writer's temporary file stays behind"
         pending = again.pending(str(name))
         assert pending is not None
         pending.result()
