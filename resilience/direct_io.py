@@ -308,6 +308,26 @@ class SeekableReader(io.RawIOBase):
         return self._pos
 
 
+class Window(SeekableReader):
+    """``length`` bytes of ``stream`` from its current position, as a file of their own (a DCP entry: the
+    ``torch.save`` archive of one tensor, which ``torch.load`` and ``zipfile`` read as a file)."""
+
+    def __init__(self, stream: IO[bytes], length: int):
+        super().__init__(length)
+        self._stream = stream
+        self._start = stream.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), self._length - self._pos)
+        if count <= 0:
+            return 0
+        self._stream.seek(self._start + self._pos)
+        got = self._stream.readinto(view[:count])  # type: ignore[attr-defined]
+        self._pos += got or 0
+        return got or 0
+
+
 class DirectReader(SeekableReader):
     """A read-only, seekable file read with ``O_DIRECT``, ``CHUNK`` aligned bytes at a time, into one of the
     reused aligned buffers and copied out from there (the caller's buffer need not be aligned).
@@ -370,6 +390,33 @@ def reopen_direct(stream: IO[bytes]) -> int | None:
         return fd
     os.close(fd)
     return None
+
+
+def copy_range(source: IO[bytes], start: int, length: int, fd: int, offset: int) -> None:
+    """Copy ``length`` bytes of ``source`` from ``start`` to ``offset`` in ``fd``, through one reused aligned
+    buffer: no memory of their own, so a copy of gigabytes touches no fresh page. ``fd`` may be an ``O_DIRECT``
+    descriptor (then ``offset`` and ``length`` are whole ``ALIGN`` blocks; ``EINVAL``: the file system takes
+    no such write)."""
+    buffer = _BUFFERS.take()
+    view = memoryview(buffer)
+    try:
+        source.seek(start)
+        done = 0
+        while done < length:
+            count = min(CHUNK, length - done)
+            got = 0
+            while got < count:
+                read = source.readinto(view[got:count])  # type: ignore[attr-defined]
+                if not read:
+                    raise OSError(errno.EIO, f"the file ended {length - done - got} bytes early")
+                got += read
+            sent = 0
+            while sent < count:
+                sent += os.pwrite(fd, view[sent:count], offset + done + sent)
+            done += count
+    finally:
+        view.release()
+        _BUFFERS.give(buffer)
 
 
 def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:

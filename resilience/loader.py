@@ -32,7 +32,7 @@ from torch.futures import Future
 
 from resilience import packing
 from resilience.catalog import Entry, check_file
-from resilience.direct_io import SeekableReader
+from resilience.direct_io import Window
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest, hash_bytes, hash_stream
@@ -302,7 +302,7 @@ class _VerifiedReader(FileSystemReader):
                     if req.type != LoadItemType.TENSOR:  # the metadata check lets none through; never parse one
                         raise CorruptCheckpointError(f"{self.path}: {req.dest_index.fqn!r} is not a tensor entry")
                     stream.seek(info.offset)
-                    window = _Window(stream, info.length)  # type: ignore[arg-type]
+                    window = Window(stream, info.length)  # type: ignore[arg-type]
                     loaded = torch.load(window, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
                     key = req.dest_index.fqn
                     whole = self.adoptable.get(key)
@@ -328,26 +328,6 @@ class _VerifiedReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
-
-
-class _Window(SeekableReader):
-    """``length`` bytes of ``stream`` from its current position, as a file of their own (what ``torch.load``
-    reads a DCP entry from)."""
-
-    def __init__(self, stream: IO[bytes], length: int):
-        super().__init__(length)
-        self._stream = stream
-        self._start = stream.tell()
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        count = min(len(view), self._length - self._pos)
-        if count <= 0:
-            return 0
-        self._stream.seek(self._start + self._pos)
-        got = self._stream.readinto(view[:count])  # type: ignore[attr-defined]
-        self._pos += got or 0
-        return got or 0
 
 
 @dataclass

@@ -10,11 +10,12 @@ tensor (DCP reads a tensor's bytes before copying them into the target), whateve
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import IO, Any, cast
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from resilience import packing
 from resilience.catalog import Entry
@@ -23,6 +24,18 @@ from resilience.loader import load_dcp_metadata, load_packs, load_skeleton, read
 from resilience.tree import tensor_keys, unflatten
 
 DEFAULT_BUDGET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class ShardItem:
+    """Where DCP wrote one tensor whole: ``length`` bytes at ``offset`` of shard ``file``, a ``torch.save``
+    archive of a tensor that was saved with this ``shape`` and ``dtype``."""
+
+    file: str
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class StepReader:
@@ -91,6 +104,38 @@ class StepReader:
     def placeholder_of(self, storage: torch.UntypedStorage) -> torch.Tensor | None:
         """The placeholder whose storage this is (``torch.save`` reports storages, not tensors)."""
         return self._by_storage.get(storage._cdata)
+
+    # ---- where the values lie ---------------------------------------------------------------------------------
+
+    def whole_items(self, placeholders: Iterable[torch.Tensor]) -> dict[int, ShardItem]:
+        """Of ``placeholders``, those (by ``id``) whose tensor DCP wrote whole into one entry of a shard, and
+        where: a tensor handed out as saved, neither packed nor cut into chunks nor passed through a stream
+        transform. A writer may copy such a tensor's bytes from the file instead of reading it."""
+        found = {}
+        for placeholder in placeholders:
+            key, dtype = self._source[id(placeholder)]
+            saved = self.metadata.state_dict_metadata.get(key)
+            if key in self.layout.slots or not isinstance(saved, TensorStorageMetadata):
+                continue
+            if saved.properties.dtype != dtype or len(saved.chunks) != 1:
+                continue
+            chunk = saved.chunks[0]
+            if any(chunk.offsets) or tuple(chunk.sizes) != tuple(saved.size):
+                continue
+            info = self.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if info is None or info.transform_descriptors:
+                continue
+            found[id(placeholder)] = ShardItem(info.relative_path, info.offset, info.length, tuple(saved.size), dtype)
+        return found
+
+    @property
+    def storage_data(self) -> dict[MetadataIndex, Any]:
+        """Where each DCP entry lies (DCP's ``_StorageInfo``: file, offset, length, transforms)."""
+        return cast(dict[MetadataIndex, Any], self.metadata.storage_data or {})
+
+    def open_file(self, name: str) -> IO[bytes]:
+        """A file of the step (``name`` relative to it), read past the page cache where it is not cached."""
+        return self.entry.tier.open(f"{self.entry.path}/{name}")
 
     # ---- the real values --------------------------------------------------------------------------------------
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import pickle
 import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,9 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager, direct_io, proofs
 from resilience.direct_io import ALIGN, CHUNK, HashedFileStream, Written
 from resilience.export import write_name
-from resilience.formats import torch_file
+from resilience.formats import raw_bytes, torch_file
 from resilience.manifest import Manifest, hash_bytes, hash_stream
+from resilience.step_reader import ShardItem
 
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 12345]
 
@@ -216,11 +219,22 @@ def test_a_name_is_a_valid_zip_with_aligned_records_that_loads_as_saved(
         monkeypatch.setattr(torch_file, "reopen_direct", lambda stream: None)
     state = {"w": torch.randn(1000, 999), "b": torch.arange(7.0), "tied": None, "n": 3}
     state["tied"] = state["w"]
+    ways: list[tuple[str, int]] = []
+    for way in ("write", "copy"):
+        original = getattr(torch_file._RecordWriter, way)
+
+        def spy(self: Any, record: Any, *args: Any, way: str = way, original: Any = original) -> None:
+            ways.append((way, record.size))
+            original(self, record, *args)
+
+        monkeypatch.setattr(torch_file._RecordWriter, way, spy)
     with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="thread")) as manager:
         manager.save(1, {"state_dict": state}, extra={"adapter": "lightning"})
         manager.wait()
         _evicted(next((tmp_path / "ckpt" / "step-1").glob("*.distcp")))  # the name reads it past the cache
         write_name(manager.local, 1, str(tmp_path / "n.ckpt"), ["state_dict"], {}, verify=True, allow_pickle=False)
+    # w was written whole into a shard entry: its bytes are copied from there; b, packed, is read and written
+    assert sorted(ways) == [("copy", 1000 * 999 * 4), ("write", 7 * 4)], ways
     archive = zipfile.ZipFile(tmp_path / "n.ckpt")
     assert archive.testzip() is None  # every record's CRC-32 is its bytes'
     for info in archive.infolist():
@@ -232,3 +246,46 @@ def test_a_name_is_a_valid_zip_with_aligned_records_that_loads_as_saved(
     loaded = torch.load(tmp_path / "n.ckpt", weights_only=True)["state_dict"]
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"]) and loaded["n"] == 3
     assert loaded["tied"].data_ptr() == loaded["w"].data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "whole"),
+    [
+        (torch.randn(30, 40), True),
+        (torch.zeros(5, dtype=torch.float8_e4m3fn), True),
+        (torch.randn(40, 30).t(), False),  # pickled with its strides over a storage in another order
+        (torch.randn(50)[10:30], False),  # pickled at an offset into a larger storage
+    ],
+    ids=["contiguous", "float8", "transposed", "slice"],
+)
+def test_a_shard_entry_is_copied_only_when_its_record_holds_exactly_the_tensors_bytes(
+    tmp_path: Path, tensor: torch.Tensor, whole: bool
+) -> None:
+    path = tmp_path / "shard"
+    with open(path, "wb") as out:
+        out.write(b"x" * 100)  # an entry starts anywhere in a shard
+        torch.save(tensor, out)
+        length = out.tell() - 100
+    item = ShardItem("shard", 100, length, tuple(tensor.shape), tensor.dtype)
+    with open(path, "rb") as source:
+        found = torch_file._stored_record(source, item)
+    if not whole:
+        assert found is None
+        return
+    assert found is not None
+    offset, crc = found
+    data = path.read_bytes()[offset : offset + tensor.nbytes]
+    assert data == bytes(raw_bytes(tensor)) and crc == zlib.crc32(data)
+
+
+class _Planted:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_the_layout_of_a_shard_entry_is_read_without_running_what_its_pickle_names(tmp_path: Path) -> None:
+    assert torch_file._TensorLayout.of(pickle.dumps(_Planted(tmp_path / "ran"), protocol=2)) is None
+    assert not (tmp_path / "ran").exists()

@@ -15,22 +15,27 @@ ordinary tensor (whose bytes are written from memory). Peak memory is the reader
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
+import functools
 import io
+import math
 import os
 import pickle
 import struct
+import warnings
 import zipfile
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
 
-from resilience.direct_io import ALIGN, pwrite_aligned, reopen_direct
+from resilience.direct_io import ALIGN, Window, copy_range, pwrite_aligned, reopen_direct
 from resilience.formats import raw_bytes
-from resilience.step_reader import StepReader
+from resilience.step_reader import ShardItem, StepReader
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -49,39 +54,86 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
     from reused aligned buffers (the rest of the file through ``stream``): a name is the whole state written a
     second time, and through the page cache that costs a page per 4 KiB, as the shards would
     (:mod:`resilience.direct_io`). ``torch.load`` reads any alignment.
+
+    A tensor DCP wrote whole is copied byte for byte from its shard: its entry there is a ``torch.save`` archive
+    of the tensor, whose storage record holds exactly these bytes when the tensor was saved contiguous (checked
+    in the archive's pickle), and whose CRC-32 is the one the new record needs. Nothing is unpickled into a
+    tensor, no memory is allocated for one, and the CRC is not computed again. Other tensors are read.
     """
     with torch.serialization.skip_data(materialize_fake_tensors=True), _aligned_records():
         torch.save(obj, stream, pickle_protocol=_PICKLE_PROTOCOL)
         storages = _storage_order(obj)
     stream.flush()
     records = _records(stream)
-    fd = stream.fileno()
-    direct = reopen_direct(stream)
-    written = 0
+    placeholders = [reader.placeholder_of(storage) for storage in storages]
+    items = reader.whole_items(p for p in placeholders if p is not None)
+    by_file: dict[str, list[tuple[int, ShardItem]]] = {}
+    for index, placeholder in enumerate(placeholders):
+        if placeholder is not None and id(placeholder) in items:
+            item = items[id(placeholder)]
+            by_file.setdefault(item.file, []).append((index, item))
+    writer = _RecordWriter(stream)
+    copied: set[int] = set()
     try:
-        for key, value in _values(storages, reader):
-            record = records[key]
-            data = raw_bytes(value)
-            if len(data) != record.size:
-                raise AssertionError(f"storage {key}: {len(data)} bytes to write into a record of {record.size}")
-            record.crc = _crc32(data)
-            body = 0  # the record's whole blocks, written past the cache where it can be
-            if direct is not None and record.data_offset % ALIGN == 0:
-                body = len(data) - len(data) % ALIGN
-                try:
-                    pwrite_aligned(direct, data[:body], record.data_offset)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    os.close(direct)
-                    direct, body = None, 0  # a file system that opens O_DIRECT but refuses its writes
-            _pwrite_all(fd, data[body:], record.data_offset + body)
-            written += len(data)
+        for name, group in by_file.items():
+            with reader.open_file(name) as source:
+                for index, item in sorted(group, key=lambda pair: pair[1].offset):  # one pass through the file
+                    stored = _stored_record(source, item)
+                    if stored is not None:
+                        writer.copy(records[str(index)], source, *stored)
+                        copied.add(index)
+        for key, value in _values(storages, placeholders, copied, reader):
+            writer.write(records[key], raw_bytes(value))
     finally:
-        if direct is not None:
-            os.close(direct)
-    _patch_crcs(fd, records.values())
-    return written
+        writer.close()
+    _patch_crcs(stream.fileno(), records.values())
+    return writer.written
+
+
+class _RecordWriter:
+    """Writes records' bytes into the file ``stream`` holds: each record's whole blocks through a second,
+    ``O_DIRECT`` descriptor where the file system takes one, the rest through the stream's own."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.fd = stream.fileno()
+        self.direct = reopen_direct(stream)
+        self.written = 0
+
+    def write(self, record: _Record, data: memoryview) -> None:
+        """``data`` (in memory) into ``record``, its CRC-32 computed."""
+        if len(data) != record.size:
+            raise AssertionError(f"{len(data)} bytes to write into a record of {record.size}")
+        record.crc = _crc32(data)
+        body = self._direct(record, lambda fd, count: pwrite_aligned(fd, data[:count], record.data_offset))
+        _pwrite_all(self.fd, data[body:], record.data_offset + body)
+        self.written += record.size
+
+    def copy(self, record: _Record, source: IO[bytes], start: int, crc: int) -> None:
+        """``record.size`` bytes of ``source`` from ``start`` into ``record``, whose CRC-32 is ``crc``."""
+        record.crc = crc
+        body = self._direct(record, lambda fd, count: copy_range(source, start, count, fd, record.data_offset))
+        copy_range(source, start + body, record.size - body, self.fd, record.data_offset + body)
+        self.written += record.size
+
+    def _direct(self, record: _Record, send: Callable[[int, int], None]) -> int:
+        """Send the record's whole blocks through the direct descriptor; how many bytes went (0: none)."""
+        body = record.size - record.size % ALIGN
+        if self.direct is None or record.data_offset % ALIGN or not body:
+            return 0
+        try:
+            send(self.direct, body)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            os.close(self.direct)
+            self.direct = None  # a file system that opens O_DIRECT but refuses its writes
+            return 0
+        return body
+
+    def close(self) -> None:
+        if self.direct is not None:
+            os.close(self.direct)
+            self.direct = None
 
 
 def _aligned_records() -> contextlib.AbstractContextManager[Any]:
@@ -123,16 +175,145 @@ def _storage_order(obj: Any) -> list[torch.UntypedStorage]:
 
 
 def _values(
-    storages: list[torch.UntypedStorage], reader: StepReader
+    storages: list[torch.UntypedStorage],
+    placeholders: list[torch.Tensor | None],
+    copied: set[int],
+    reader: StepReader,
 ) -> Iterator[tuple[str, torch.Tensor | torch.UntypedStorage]]:
-    """(record key, what to write there) for every storage, placeholders read through ``reader`` in order."""
-    placeholders = [reader.placeholder_of(storage) for storage in storages]
-    keys = {id(p): str(index) for index, p in enumerate(placeholders) if p is not None}
+    """(record key, what to write there) for every storage not ``copied`` (by index), placeholders read through
+    ``reader`` in order."""
+    keys = {id(p): str(index) for index, p in enumerate(placeholders) if p is not None and index not in copied}
     for index, storage in enumerate(storages):
         if placeholders[index] is None:  # an ordinary tensor inside a value the state kept whole
             yield str(index), storage
-    for placeholder, value in reader.read(p for p in placeholders if p is not None):
+    wanted = [p for index, p in enumerate(placeholders) if p is not None and index not in copied]
+    for placeholder, value in reader.read(wanted):
         yield keys[id(placeholder)], value
+
+
+def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int] | None:
+    """(offset in the shard, CRC-32) of the storage record of DCP entry ``item`` when it holds exactly the
+    tensor's bytes in row-major order: the tensor was pickled at storage offset 0 with contiguous strides, the
+    dtype and shape the metadata gives, over a stored (uncompressed) record of its size. None otherwise, or for
+    anything this reader does not know (the tensor is then read instead)."""
+    source.seek(item.offset)
+    window = Window(source, item.length)
+    try:
+        archive = zipfile.ZipFile(window)
+        pickles = [info for info in archive.infolist() if info.filename.rpartition("/")[2] == "data.pkl"]
+        if len(pickles) != 1:
+            return None
+        layout = _TensorLayout.of(archive.read(pickles[0]))
+        prefix = pickles[0].filename[: -len("data.pkl")]
+        info = archive.getinfo(f"{prefix}data/{layout.storage}") if layout is not None else None
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError):
+        return None
+    nbytes = math.prod(item.shape) * item.dtype.itemsize
+    if layout is None or info is None or not layout.is_whole(item.shape, item.dtype):
+        return None
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+        return None
+    window.seek(info.header_offset)
+    fields = _LOCAL_HEADER.unpack(window.read(_LOCAL_HEADER.size))
+    if fields[0] != _LOCAL_SIGNATURE:
+        return None
+    return item.offset + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], info.CRC
+
+
+@dataclass(frozen=True)
+class _TensorLayout:
+    """How the pickle of a ``torch.save`` of one tensor lays it over its storage."""
+
+    storage: str  # the storage's record key
+    dtype: torch.dtype
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def is_whole(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """The tensor is its whole storage, row-major, as ``shape`` and ``dtype``."""
+        contiguous, step = [], 1
+        for length in reversed(shape):
+            contiguous.append(step)
+            step *= length
+        return (
+            self.dtype == dtype
+            and self.offset == 0
+            and self.size == tuple(shape)
+            and self.stride == tuple(reversed(contiguous))
+        )
+
+    @classmethod
+    def of(cls, data: bytes) -> _TensorLayout | None:
+        """The layout that pickle ``data`` describes, or None if it is anything but one such tensor: only the
+        names a tensor's pickle uses are resolved, and nothing is built (no storage is read)."""
+        try:
+            found = _LayoutUnpickler(io.BytesIO(data)).load()
+        except (pickle.UnpicklingError, TypeError, ValueError, IndexError, EOFError):
+            return None
+        return found if isinstance(found, cls) else None
+
+
+class _StorageType:
+    """What the pickle names as a storage's class: a legacy typed storage (its dtype), or UntypedStorage."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None
+
+
+@functools.cache
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    """``FloatStorage`` -> ``torch.float32`` and the like (asking a legacy class warns that it is deprecated)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        legacy = torch.storage._LegacyStorage
+        return {
+            cls.__name__: cls.dtype
+            for cls in vars(torch).values()
+            if isinstance(cls, type) and issubclass(cls, legacy) and cls is not legacy
+        }
+
+
+def _layout_v2(storage: _StorageRef, offset: int, size: Any, stride: Any, *args: Any) -> _TensorLayout:
+    if storage.dtype is None:
+        raise pickle.UnpicklingError("an untyped storage without the dtype _rebuild_tensor_v3 gives")
+    return _TensorLayout(storage.key, storage.dtype, int(offset), tuple(size), tuple(stride))
+
+
+def _layout_v3(
+    storage: _StorageRef, offset: int, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *args: Any
+) -> _TensorLayout:
+    if not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"{dtype!r} is not a dtype")
+    return _TensorLayout(storage.key, dtype, int(offset), tuple(size), tuple(stride))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Resolves only what a pickled tensor refers to, into stand-ins that record its layout."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _layout_v2 if name.endswith("v2") else _layout_v3
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _StorageType(None)
+        if module == "torch" and name in _legacy_storage_dtypes():
+            return _StorageType(_legacy_storage_dtypes()[name])
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a pickled tensor")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+            raise pickle.UnpicklingError(f"persistent id {pid!r} is not a storage")
+        return _StorageRef(str(pid[2]), pid[1].dtype)
 
 
 def _records(stream: IO[bytes]) -> dict[str, _Record]:

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 from resilience.formats import torch_file
 
 if os.environ.get("TEST_KILL_NAME_WRITER") == "1":
-    original = torch_file._pwrite_all
+    # a record's bytes are written from memory, or copied from the shard: either way, die after the first
+    write, copy = torch_file._pwrite_all, torch_file.copy_range
 
-    def write_then_die(fd: int, data: memoryview, offset: int) -> None:
-        original(fd, data, offset)
+    def write_then_die(*args: Any) -> None:
+        write(*args)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    torch_file._pwrite_all = write_then_die
+    def copy_then_die(*args: Any) -> None:
+        copy(*args)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch_file._pwrite_all, torch_file.copy_range = write_then_die, copy_then_die
