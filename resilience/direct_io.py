@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 # 4 KiB covers every block size in use (512 B and 4 KiB). Linux-only flag; elsewhere, buffered writes.
 ALIGN = 4096
 CHUNK = 8 << 20
+_SMALLEST_READ = 64 << 10  # a direct reader's smallest read: small reads in a row still come in few calls
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -349,7 +350,7 @@ class DirectReader(SeekableReader):
         wanted = min(len(out), max(self._length - self._pos, 0))
         done = 0
         while done < wanted:
-            if not self._start <= self._pos < self._end and not self._fill():
+            if not self._start <= self._pos < self._end and not self._fill(wanted - done):
                 break
             take = min(wanted - done, self._end - self._pos)
             at = self._pos - self._start
@@ -358,10 +359,13 @@ class DirectReader(SeekableReader):
             done += take
         return done
 
-    def _fill(self) -> bool:
-        """Read the aligned chunk holding the position; False at the end of the file."""
+    def _fill(self, wanted: int) -> bool:
+        """Read the aligned blocks from the position on that hold ``wanted`` bytes, at least ``_SMALLEST_READ`` and
+        at most ``CHUNK`` of them (a zip directory's few bytes cost no 8 MiB read); False at the end of the file."""
         start = self._pos - self._pos % ALIGN
-        count = os.preadv(self._fd, [self._view], start)  # at the end of the file, fewer bytes
+        size = -(-(self._pos - start + wanted) // ALIGN) * ALIGN
+        size = min(max(size, _SMALLEST_READ), CHUNK)
+        count = os.preadv(self._fd, [self._view[:size]], start)  # at the end of the file, fewer bytes
         self._start, self._end = start, start + count
         return self._pos < self._end
 

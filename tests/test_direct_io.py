@@ -273,9 +273,9 @@ def test_a_shard_entry_is_copied_only_when_its_record_holds_exactly_the_tensors_
         assert found is None
         return
     assert found is not None
-    offset, crc = found
-    data = path.read_bytes()[offset : offset + tensor.nbytes]
-    assert data == bytes(raw_bytes(tensor)) and crc == zlib.crc32(data)
+    offset, size, crc = found
+    data = path.read_bytes()[offset : offset + size]
+    assert size == tensor.nbytes and data == bytes(raw_bytes(tensor)) and crc == zlib.crc32(data)
 
 
 class _Planted:

@@ -108,8 +108,10 @@ class _RecordWriter:
         _pwrite_all(self.fd, data[body:], record.data_offset + body)
         self.written += record.size
 
-    def copy(self, record: _Record, source: IO[bytes], start: int, crc: int) -> None:
-        """``record.size`` bytes of ``source`` from ``start`` into ``record``, whose CRC-32 is ``crc``."""
+    def copy(self, record: _Record, source: IO[bytes], start: int, size: int, crc: int) -> None:
+        """``size`` bytes of ``source`` from ``start`` into ``record``, whose CRC-32 is ``crc``."""
+        if size != record.size:
+            raise AssertionError(f"{size} bytes to copy into a record of {record.size}")
         record.crc = crc
         body = self._direct(record, lambda fd, count: copy_range(source, start, count, fd, record.data_offset))
         copy_range(source, start + body, record.size - body, self.fd, record.data_offset + body)
@@ -191,8 +193,8 @@ def _values(
         yield keys[id(placeholder)], value
 
 
-def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int] | None:
-    """(offset in the shard, CRC-32) of the storage record of DCP entry ``item`` when it holds exactly the
+def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int] | None:
+    """(offset in the shard, size, CRC-32) of the storage record of DCP entry ``item`` when it holds exactly the
     tensor's bytes in row-major order: the tensor was pickled at storage offset 0 with contiguous strides, the
     dtype and shape the metadata gives, over a stored (uncompressed) record of its size. None otherwise, or for
     anything this reader does not know (the tensor is then read instead)."""
@@ -217,7 +219,7 @@ def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int] | None
     fields = _LOCAL_HEADER.unpack(window.read(_LOCAL_HEADER.size))
     if fields[0] != _LOCAL_SIGNATURE:
         return None
-    return item.offset + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], info.CRC
+    return item.offset + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], nbytes, info.CRC
 
 
 @dataclass(frozen=True)
