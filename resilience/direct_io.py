@@ -31,7 +31,7 @@ import io
 import mmap
 import os
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -401,42 +401,44 @@ def copy_range(source: IO[bytes], start: int, length: int, fd: int, offset: int)
     buffer: no memory of their own, so a copy of gigabytes touches no fresh page. ``fd`` may be an ``O_DIRECT``
     descriptor (then ``offset`` and ``length`` are whole ``ALIGN`` blocks; ``EINVAL``: the file system takes
     no such write)."""
-    buffer = _BUFFERS.take()
-    view = memoryview(buffer)
-    try:
-        source.seek(start)
-        done = 0
-        while done < length:
-            count = min(CHUNK, length - done)
-            got = 0
-            while got < count:
-                read = source.readinto(view[got:count])  # type: ignore[attr-defined]
-                if not read:
-                    raise OSError(errno.EIO, f"the file ended {length - done - got} bytes early")
-                got += read
-            sent = 0
-            while sent < count:
-                sent += os.pwrite(fd, view[sent:count], offset + done + sent)
-            done += count
-    finally:
-        view.release()
-        _BUFFERS.give(buffer)
+    source.seek(start)
+
+    def fill(chunk: memoryview, position: int) -> None:
+        got = 0
+        while got < len(chunk):
+            read = source.readinto(chunk[got:])  # type: ignore[attr-defined]
+            if not read:
+                raise OSError(errno.EIO, f"the file ended {length - position - got} bytes early")
+            got += read
+
+    _write_through_buffer(fd, offset, length, fill)
 
 
 def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:
     """Write ``data`` (a whole number of ``ALIGN`` blocks) at ``offset`` (aligned) through an ``O_DIRECT``
     descriptor, a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
+
+    def fill(chunk: memoryview, position: int) -> None:
+        chunk[:] = data[position : position + len(chunk)]
+
+    _write_through_buffer(fd, offset, len(data), fill)
+
+
+def _write_through_buffer(fd: int, offset: int, length: int, fill: Callable[[memoryview, int], None]) -> None:
+    """Write ``length`` bytes at ``offset`` in ``fd``, one reused aligned buffer of ``CHUNK`` bytes at a time,
+    each chunk's bytes put there by ``fill(chunk, its position from the start)``."""
     buffer = _BUFFERS.take()
     view = memoryview(buffer)
     try:
         done = 0
-        while done < len(data):
-            count = min(CHUNK, len(data) - done)
-            view[:count] = data[done : done + count]
+        while done < length:
+            chunk = view[: min(CHUNK, length - done)]
+            fill(chunk, done)
             sent = 0
-            while sent < count:
-                sent += os.pwrite(fd, view[sent:count], offset + done + sent)
-            done += count
+            while sent < len(chunk):
+                sent += os.pwrite(fd, chunk[sent:], offset + done + sent)
+            done += len(chunk)
+            chunk.release()
     finally:
         view.release()
         _BUFFERS.give(buffer)

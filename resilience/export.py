@@ -376,13 +376,18 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc here: a zombie counts as running, its file stays
+        return True
 
 
 @contextlib.contextmanager

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -76,7 +78,8 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
         with pytest.raises(CheckpointError, match="died before it finished"):
             names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
         assert not name.exists()  # never half a file at the name: the helper died inside its temporary file
-        assert list(name.parent.glob(".last.ckpt.tmp-*"))
+        (leftover,) = name.parent.glob(".last.ckpt.tmp-*")
+        _wait_until_gone(int(leftover.name.split("-")[-2]))  # its connection closes before it has quite exited
         monkeypatch.setenv("TEST_KILL_NAME_WRITER", "0")
         again = NameWriter(manager.local, off_process=True)  # the next start: the record says it is unwritten
         again.repair(manager.committed_steps())
@@ -86,3 +89,16 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
         pending.result()
     loaded = torch.load(name, weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], state["w"])
+
+
+def _wait_until_gone(pid: int, timeout: float = 30) -> None:
+    """Until process ``pid`` has exited (a zombie has)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.02)
