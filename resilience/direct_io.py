@@ -23,6 +23,7 @@ from it, a resume, a verification). A file already cached is read through the ca
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -210,12 +211,26 @@ class HashedFileSystem(FileSystem):
 
         stream = HashedFileStream(os.fspath(path), direct=self.direct, fsync=self.fsync, done=done)
         try:
-            yield stream
+            with _no_zip_crcs():  # DCP writes every entry of the file inside this block, in this thread
+                yield stream
         except BaseException:
             stream.abandon()
             raise
         finally:
             stream.close()
+
+
+def _no_zip_crcs() -> contextlib.AbstractContextManager[Any]:
+    """``torch.save`` in this thread, meanwhile, writes no CRC-32 into its zip records. torch computes it at about
+    1.5 GB/s (a second of CPU per 1.6 GB save, in the shard's writer), and nothing reads it: ``torch.load`` does
+    not check it, and a load verifies the manifest's checksum of every whole file. torch's settings are the
+    thread's own, so nothing else of the process is touched. A name copied from such an entry computes the CRC-32
+    its own records need (:mod:`resilience.formats.torch_file`)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch before 2.6 always computes it
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": False})  # type: ignore[attr-defined]
 
 
 # ---- reading ------------------------------------------------------------------------------------------------
@@ -396,11 +411,18 @@ def reopen_direct(stream: IO[bytes]) -> int | None:
     return None
 
 
-def copy_range(source: IO[bytes], start: int, length: int, fd: int, offset: int) -> None:
+def copy_range(
+    source: IO[bytes],
+    start: int,
+    length: int,
+    fd: int,
+    offset: int,
+    seen: Callable[[memoryview], None] | None = None,
+) -> None:
     """Copy ``length`` bytes of ``source`` from ``start`` to ``offset`` in ``fd``, through one reused aligned
     buffer: no memory of their own, so a copy of gigabytes touches no fresh page. ``fd`` may be an ``O_DIRECT``
     descriptor (then ``offset`` and ``length`` are whole ``ALIGN`` blocks; ``EINVAL``: the file system takes
-    no such write)."""
+    no such write). ``seen`` is shown each chunk, in order, before it is written (to checksum the copy)."""
     source.seek(start)
 
     def fill(chunk: memoryview, position: int) -> None:
@@ -410,6 +432,8 @@ def copy_range(source: IO[bytes], start: int, length: int, fd: int, offset: int)
             if not read:
                 raise OSError(errno.EIO, f"the file ended {length - position - got} bytes early")
             got += read
+        if seen is not None:
+            seen(chunk)
 
     _write_through_buffer(fd, offset, length, fill)
 

@@ -57,8 +57,9 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
 
     A tensor DCP wrote whole is copied byte for byte from its shard: its entry there is a ``torch.save`` archive
     of the tensor, whose storage record holds exactly these bytes when the tensor was saved contiguous (checked
-    in the archive's pickle), and whose CRC-32 is the one the new record needs. Nothing is unpickled into a
-    tensor, no memory is allocated for one, and the CRC is not computed again. Other tensors are read.
+    in the archive's pickle), and whose CRC-32, where its writer recorded one, is the one the new record needs
+    (else it is computed as the bytes go by). Nothing is unpickled into a tensor and no memory is allocated for
+    one. Other tensors are read.
     """
     with torch.serialization.skip_data(materialize_fake_tensors=True), _aligned_records():
         torch.save(obj, stream, pickle_protocol=_PICKLE_PROTOCOL)
@@ -108,13 +109,22 @@ class _RecordWriter:
         _pwrite_all(self.fd, data[body:], record.data_offset + body)
         self.written += record.size
 
-    def copy(self, record: _Record, source: IO[bytes], start: int, size: int, crc: int) -> None:
-        """``size`` bytes of ``source`` from ``start`` into ``record``, whose CRC-32 is ``crc``."""
+    def copy(self, record: _Record, source: IO[bytes], start: int, size: int, crc: int | None) -> None:
+        """``size`` bytes of ``source`` from ``start`` into ``record``, whose CRC-32 is ``crc`` (None: computed
+        from the bytes as they are copied)."""
         if size != record.size:
             raise AssertionError(f"{size} bytes to copy into a record of {record.size}")
-        record.crc = crc
-        body = self._direct(record, lambda fd, count: copy_range(source, start, count, fd, record.data_offset))
-        copy_range(source, start + body, record.size - body, self.fd, record.data_offset + body)
+        running = [0]
+
+        def seen(chunk: memoryview) -> None:
+            running[0] = zlib.crc32(chunk, running[0])
+
+        check = seen if crc is None else None
+        body = self._direct(record, lambda fd, count: copy_range(source, start, count, fd, record.data_offset, check))
+        if body == 0:
+            running[0] = 0  # a direct copy refused midway starts again from the first byte
+        copy_range(source, start + body, record.size - body, self.fd, record.data_offset + body, check)
+        record.crc = running[0] if crc is None else crc
         self.written += record.size
 
     def _direct(self, record: _Record, send: Callable[[int, int], None]) -> int:
@@ -139,8 +149,8 @@ class _RecordWriter:
 
 
 def _aligned_records() -> contextlib.AbstractContextManager[Any]:
-    """``torch.save`` placing storages on ``ALIGN`` boundaries (its setting since torch 2.6; 64 B before). The
-    setting is global: a ``torch.save`` elsewhere in the process meanwhile gets the same (valid) alignment."""
+    """``torch.save`` placing storages on ``ALIGN`` boundaries (its setting since torch 2.6; 64 B before), in
+    this thread (torch's settings are each thread's own)."""
     try:
         from torch.utils.serialization import config
     except ImportError:
@@ -193,11 +203,12 @@ def _values(
         yield keys[id(placeholder)], value
 
 
-def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int] | None:
+def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int | None] | None:
     """(offset in the shard, size, CRC-32) of the storage record of DCP entry ``item`` when it holds exactly the
     tensor's bytes in row-major order: the tensor was pickled at storage offset 0 with contiguous strides, the
     dtype and shape the metadata gives, over a stored (uncompressed) record of its size. None otherwise, or for
-    anything this reader does not know (the tensor is then read instead)."""
+    anything this reader does not know (the tensor is then read instead). The CRC-32 is None where the entry's
+    writer recorded none (0 for bytes whose CRC is not 0: torch's ``compute_crc32`` off, as in our helper)."""
     source.seek(item.offset)
     window = Window(source, item.length)
     try:
@@ -205,21 +216,35 @@ def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int] |
         pickles = [info for info in archive.infolist() if info.filename.rpartition("/")[2] == "data.pkl"]
         if len(pickles) != 1:
             return None
-        layout = _TensorLayout.of(archive.read(pickles[0]))
+        pickled = _stored_at(window, pickles[0])
+        if pickled is None:
+            return None
+        window.seek(pickled)
+        layout = _TensorLayout.of(window.read(pickles[0].file_size))
         prefix = pickles[0].filename[: -len("data.pkl")]
         info = archive.getinfo(f"{prefix}data/{layout.storage}") if layout is not None else None
-    except (zipfile.BadZipFile, KeyError, ValueError, EOFError):
+    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error):
         return None
     nbytes = math.prod(item.shape) * item.dtype.itemsize
-    if layout is None or info is None or not layout.is_whole(item.shape, item.dtype):
+    if layout is None or info is None or not layout.is_whole(item.shape, item.dtype) or info.file_size != nbytes:
         return None
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+    at = _stored_at(window, info)
+    if at is None:
         return None
-    window.seek(info.header_offset)
-    fields = _LOCAL_HEADER.unpack(window.read(_LOCAL_HEADER.size))
+    crc = None if info.CRC == 0 and nbytes else info.CRC  # a CRC-32 of 0 is rare enough to compute again
+    return item.offset + at, nbytes, crc
+
+
+def _stored_at(archive: io.RawIOBase, info: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the uncompressed record ``info`` start in ``archive`` (read from its local header, not
+    through ``zipfile``, which would check a CRC-32 that torch may not have written); None if compressed."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    archive.seek(info.header_offset)
+    fields = _LOCAL_HEADER.unpack(archive.read(_LOCAL_HEADER.size))
     if fields[0] != _LOCAL_SIGNATURE:
         return None
-    return item.offset + info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11], nbytes, info.CRC
+    return info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
 
 
 @dataclass(frozen=True)
