@@ -199,7 +199,8 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
-                handle = session.save(step, state, reason="named")
+                # made for a name, which is copied from its shards: their records keep the CRC-32s it needs
+                handle = session.save(step, dataclasses.replace(state, record_crcs=True), reason="named")
 
             def lightnings_own(named: dict[str, Any]) -> None:  # outside fit(), as Lightning's tests expect
                 TorchCheckpointIO().save_checkpoint(named, path, storage_options=storage_options)

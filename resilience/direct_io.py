@@ -190,12 +190,14 @@ class HashedFileStream(io.IOBase):
 
 class HashedFileSystem(FileSystem):
     """DCP's local file system whose new files are :class:`HashedFileStream` s; :attr:`written` maps each
-    finished file's name (relative to its folder) to its :class:`Written`."""
+    finished file's name (relative to its folder) to its :class:`Written`. Without ``record_crcs`` the entries'
+    zip records carry no CRC-32 (:func:`_no_zip_crcs`)."""
 
-    def __init__(self, *, direct: bool, fsync: bool) -> None:
+    def __init__(self, *, direct: bool, fsync: bool, record_crcs: bool = False) -> None:
         super().__init__()
         self.direct = direct
         self.fsync = fsync
+        self.record_crcs = record_crcs
         self.written: dict[str, Written] = {}
 
     @contextmanager
@@ -211,7 +213,8 @@ class HashedFileSystem(FileSystem):
 
         stream = HashedFileStream(os.fspath(path), direct=self.direct, fsync=self.fsync, done=done)
         try:
-            with _no_zip_crcs():  # DCP writes every entry of the file inside this block, in this thread
+            # DCP writes every entry of the file inside this block, in this thread
+            with contextlib.nullcontext() if self.record_crcs else _no_zip_crcs():
                 yield stream
         except BaseException:
             stream.abandon()
@@ -225,7 +228,8 @@ def _no_zip_crcs() -> contextlib.AbstractContextManager[Any]:
     1.5 GB/s (a second of CPU per 1.6 GB save, in the shard's writer), and nothing reads it: ``torch.load`` does
     not check it, and a load verifies the manifest's checksum of every whole file. torch's settings are the
     thread's own, so nothing else of the process is touched. A name copied from such an entry computes the CRC-32
-    its own records need (:mod:`resilience.formats.torch_file`)."""
+    its own records need (:mod:`resilience.formats.torch_file`), about half a second of CPU per 1.6 GB: a save
+    made for a name is written with CRC-32s (``record_crcs``), which the name then takes as they are."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch before 2.6 always computes it

@@ -115,6 +115,7 @@ class WriteSpec:
     writer: dict[str, Any] | None
     protected: list[int] = field(default_factory=list)
     packs: bytes | None = None
+    record_crcs: bool = False
 
 
 CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
@@ -294,6 +295,7 @@ class HelperPipeline:
             writer=job.writer,
             protected=sorted(self._protected_steps()),
             packs=job.packs,
+            record_crcs=job.record_crcs,
         )
         try:
             if fresh:
@@ -578,6 +580,7 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
                     run_id=spec.run_id,
                     writer=spec.writer,
                     packs=spec.packs,
+                    record_crcs=spec.record_crcs,
                 )
             )
         elif kind == "retain":

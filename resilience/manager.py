@@ -391,6 +391,7 @@ class CheckpointManager:
         when_busy: WhenBusy | None = None,
         abstain: Collection[int] = (),
         replicated: Collection[str] | None = None,
+        record_crcs: bool = False,
     ) -> SaveHandle | None:
         """Stage ``state`` and return; the rest happens in the background. Call on every rank.
 
@@ -405,6 +406,10 @@ class CheckpointManager:
         tensors under the other keys may differ per rank; the leader (the lowest rank that writes) writes its
         own, with the skeleton that refers to them, and every rank gets those back: Lightning keeps rank 0's
         checkpoint dict the same way.
+
+        ``record_crcs``: the shards' zip records get their CRC-32s, for a save that a framework file will be
+        copied from (a Lightning name: its records need them, and taking them is cheaper than computing them
+        again). Otherwise torch's pass over the bytes to compute them is skipped; nothing reads them.
         """
         t0 = time.monotonic()
         self._check_open()
@@ -517,6 +522,7 @@ class CheckpointManager:
                 writer=self.owner.to_json() if self.owner is not None else None,
                 pieces={k: _create_write_items(k, t) for k, t in tensors.items() if isinstance(t, DTensor)},
                 packs=layout.encoded if layout else None,
+                record_crcs=record_crcs,
             )
         )
         if flat.pickled and self.stats.saves == 0:

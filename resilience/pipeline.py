@@ -59,6 +59,7 @@ class WriteJob:
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
     packs: bytes | None = None  # packs.json: where the packed tensors lie (None: nothing packed)
+    record_crcs: bool = False  # the shards' zip records get CRC-32s (see CheckpointManager.save)
 
 
 @dataclass
@@ -96,9 +97,11 @@ class RecordingWriter(FileSystemWriter):
     writes them through :class:`~resilience.direct_io.HashedFileSystem`: past the page cache with ``direct``,
     synced as each file closes with ``sync_files``, hashed on the way out (:attr:`hashes`)."""
 
-    def __init__(self, path: str, *, direct: bool = False, sync_files: bool = True, **kwargs: Any):
+    def __init__(
+        self, path: str, *, direct: bool = False, sync_files: bool = True, record_crcs: bool = False, **kwargs: Any
+    ):
         super().__init__(path, sync_files=False, **kwargs)  # our streams sync themselves as they close
-        self.files = HashedFileSystem(direct=direct, fsync=sync_files)
+        self.files = HashedFileSystem(direct=direct, fsync=sync_files, record_crcs=record_crcs)
         self.fs = self.files
         self.written: set[str] = set()
 
@@ -277,6 +280,7 @@ class Pipeline:
                 local_dir,
                 direct=self.config.direct_io,
                 sync_files=self.config.fsync,
+                record_crcs=job.record_crcs,
                 thread_count=self.config.write_threads,
                 overwrite=False,
             )

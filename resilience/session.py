@@ -73,6 +73,7 @@ class SaveState:
     rank_state: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     replicated: tuple[str, ...] | None = None
+    record_crcs: bool = False  # a framework file will be copied from this save (see CheckpointManager.save)
 
 
 StateBuilder = Callable[[int], SaveState]
@@ -615,6 +616,7 @@ class TrainingSession:
                 when_busy=when_busy,
                 abstain=abstain,
                 replicated=built.replicated,
+                record_crcs=built.record_crcs,
             )
         if handle is not None:
             self._plan_saves += 1

@@ -9,15 +9,18 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemReader
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, GoodputMonitor, ResilientCheckpointIO
+from resilience.direct_io import Window
 from resilience.errors import ConfigError
 from resilience.names import METADATA_KEY
 from tests.helpers import ROOT, base_env
@@ -54,6 +57,17 @@ def committed(root: Path) -> set[int]:
     return {int(p.name.split("-")[1]) for p in (root / "ckpt").glob("step-*") if (p / "manifest.json").exists()}
 
 
+def record_crcs(step_dir: Path) -> list[int]:
+    """The CRC-32 of every storage record in the step's DCP entries (0 where the writer recorded none)."""
+    crcs = []
+    for info in FileSystemReader(str(step_dir)).read_metadata().storage_data.values():
+        with open(step_dir / info.relative_path, "rb") as stream:
+            stream.seek(info.offset)
+            archive = zipfile.ZipFile(Window(stream, info.length))  # type: ignore[arg-type]
+            crcs += [i.CRC for i in archive.infolist() if i.filename.rpartition("/")[0].endswith("/data")]
+    return crcs
+
+
 def assert_lightning_file(path: Path, step: int, *, full: bool = True) -> dict[str, object]:
     """A Lightning checkpoint as Lightning writes it, readable by torch.load without this pack."""
     checkpoint = torch.load(path, weights_only=True)
@@ -83,6 +97,9 @@ def test_top_k_and_last_names_are_lightning_files_that_load_anywhere(
         assert_lightning_file(last, 12)
     best = Path(checkpoint.best_model_path)
     state = assert_lightning_file(best, int(best.stem.split("step=")[1]))
+    assert zipfile.ZipFile(best).testzip() is None  # every record's CRC-32 is its bytes'
+    for step in committed(tmp_path):  # saves made for names keep their records' CRC-32s, which names take
+        assert all(record_crcs(tmp_path / "ckpt" / f"step-{step}")), step
     # the habits: load_from_checkpoint, and a Trainer without the plugin
     model = DemoModel.load_from_checkpoint(best)
     for key, value in model.state_dict().items():
