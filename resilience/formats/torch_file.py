@@ -235,7 +235,7 @@ def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int | 
     return item.offset + at, nbytes, crc
 
 
-def _stored_at(archive: io.RawIOBase, info: zipfile.ZipInfo) -> int | None:
+def _stored_at(archive: IO[bytes] | io.RawIOBase, info: zipfile.ZipInfo) -> int | None:
     """Where the bytes of the uncompressed record ``info`` start in ``archive`` (read from its local header, not
     through ``zipfile``, which would check a CRC-32 that torch may not have written); None if compressed."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -362,11 +362,9 @@ def _records(stream: IO[bytes]) -> dict[str, _Record]:
         directory, _, key = info.filename.rpartition("/")
         if not directory.endswith("/data") and directory != "data":
             continue
-        stream.seek(info.header_offset)
-        fields = _LOCAL_HEADER.unpack(stream.read(_LOCAL_HEADER.size))
-        if fields[0] != _LOCAL_SIGNATURE:
+        data_offset = _stored_at(stream, info)
+        if data_offset is None:
             raise ValueError(f"torch.save wrote a zip record {info.filename} this writer cannot read")
-        data_offset = info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
         stream.seek(data_offset + info.file_size)
         descriptor = stream.read(4)
         descriptor_crc = data_offset + info.file_size + (4 if descriptor == _DESCRIPTOR_SIGNATURE else 0)
