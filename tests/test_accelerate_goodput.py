@@ -63,10 +63,13 @@ class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class SlowState:
-    """Registered for checkpointing: every save blocks training for SAVE_S while it reads this state."""
+    """Registered for checkpointing: every save blocks training for ``save_s`` while it reads this state."""
+
+    def __init__(self, save_s: float = SAVE_S) -> None:
+        self.save_s = save_s
 
     def state_dict(self) -> dict[str, Any]:
-        time.sleep(SAVE_S)
+        time.sleep(self.save_s)
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -108,7 +111,8 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
     model, optimizer, loader = accelerator.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), DataLoader(dataset, batch_size=BATCH)
     )
-    accelerator.register_for_checkpointing(SlowState())
+    save_s = 3 * SAVE_S  # long enough that the saves counted as waiting could not hide in the loader's own costs
+    accelerator.register_for_checkpointing(SlowState(save_s))
     plugin = ResiliencePlugin(local_dir=str(tmp_path), every_n_steps=5, async_staging=False, data_window_steps=5)
     with attach(accelerator, plugin) as resilience:
         batches = resilience.timed(loader)
@@ -123,17 +127,24 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
                 time.sleep(COMPUTE_S)
             loop_s = time.perf_counter() - started
         assert resilience.global_step == 20
-    # each blocked SAVE_S inside the loader's next(); step 20's at the boundary close() ends; keep_last=3
+    # each blocked save_s inside the loader's next(); step 20's at the boundary close() ends; keep_last=3
     assert committed_steps(tmp_path) == [10, 15, 20]
 
     windows = [entry for entry in tracker.logged if "data/wait_fraction" in entry]
-    assert len(windows) == 4 and all(entry["data/starving"] == 1.0 for entry in windows)
-    measured = sum(w["data/wait_ms_per_step"] for w in windows) / sum(w["data/step_ms"] for w in windows)
-    # Injected: the share of the loop spent in the dataset's sleeps as they really happened; nominally
-    # 20 ms of 20 + 60 + 100/5 ms per step. Counting the saves' 100 ms as waiting would double it.
-    injected = dataset.slept / loop_s
-    assert injected == pytest.approx(BATCH * ITEM_S / (BATCH * ITEM_S + COMPUTE_S + SAVE_S / 5), rel=0.5)
-    assert measured == pytest.approx(injected, rel=0.10)
+    assert len(windows) == 4
+    # Nominally every window starves (20 ms of about 100 per step); one whose save queued behind the last one's
+    # on a loaded machine may not, so each flag is checked against its own fraction, and one starving is needed.
+    assert all(entry["data/starving"] == float(entry["data/wait_fraction"] > 0.05) for entry in windows)
+    assert any(entry["data/starving"] == 1.0 for entry in windows)
+    waited = sum(w["data/wait_ms_per_step"] * 5 for w in windows) / 1e3
+    stepped = sum(w["data/step_ms"] * 5 for w in windows) / 1e3
+    # Every step once, the saves inside next() included: from the first fetch to the last one, which only
+    # ends the loop (the fourth save runs after it).
+    assert loop_s - save_s < stepped <= loop_s
+    # The dataset's sleeps (as long as they really took) all happen inside next(); the rest of a fetch
+    # (collation, Accelerate's shard) adds a little. The three saves inside next() are left out: counted,
+    # they would add 3 * save_s. Absolute times, so a loaded machine's late wake-ups shift neither bound.
+    assert dataset.slept <= waited < dataset.slept + save_s
     first = windows[0]
     assert first["data/samples_per_s"] == pytest.approx(BATCH / (first["data/step_ms"] / 1e3))
     assert first["data/collate_ms_per_step"] < 5  # timed on the DataLoader inside Accelerate's: not the cause
@@ -143,9 +154,8 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
     assert "rank 0" in warnings[0] and "(workers)" in warnings[0] and "num_workers=0" in warnings[0]
 
     summary = summarize(tmp_path)
-    waits = sum(w["data/wait_ms_per_step"] * 5 for w in windows) / 1e3
-    assert summary.buckets["data_wait"] == pytest.approx(waits, rel=0.05)
-    assert summary.buckets["checkpoint"] >= 3 * SAVE_S
+    assert summary.buckets["data_wait"] == pytest.approx(waited, rel=0.05)
+    assert summary.buckets["checkpoint"] >= 3 * save_s
 
 
 @pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "plain"])

@@ -56,12 +56,12 @@ def test_slow_loader_reports_starvation_and_the_injected_wait_fraction(
     ledger.end()
 
     assert len(windows) == 4 and sum(w.steps for w in windows) == 20 and sum(w.samples for w in windows) == samples
-    measured = sum(w.wait_s for w in windows) / sum(w.step_s for w in windows)
-    # Injected: the share of the loop spent in the dataset's sleeps as they really happened (nominally
-    # 20 / (20 + 60) = 0.25; on a loaded machine each late wake-up stretches both sides).
-    injected = dataset.slept / loop_s
-    assert injected == pytest.approx(BATCH * ITEM_S / (BATCH * ITEM_S + COMPUTE_S), rel=0.5)
-    assert measured == pytest.approx(injected, rel=0.10)
+    waited = sum(w.wait_s for w in windows)
+    measured = waited / sum(w.step_s for w in windows)
+    # The dataset's sleeps (as long as they really took) all happen inside next(); the rest of a fetch
+    # (the sampler, collation) adds a little. The compute is not waiting: counted, it would add 20 steps of
+    # COMPUTE_S. Absolute times, so a loaded machine's late wake-ups shift neither bound.
+    assert dataset.slept <= waited < dataset.slept + COMPUTE_S
     assert all(w.starving and w.cause == "workers" for w in windows)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1, warnings  # repeated at most every warn_every_s, not every window
