@@ -70,7 +70,7 @@ def worker(variant: str, size_gb: float, saves: int, root: Path) -> None:
         callbacks=[times],
     )
     model = Net(width_for(size_gb))
-    run.fit(model, loader(model.width, 2 * saves))
+    run.fit(model, loader(model, 2 * saves))
     emit({"rank": run.global_rank, "samples": times.samples})
 
 

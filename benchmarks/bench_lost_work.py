@@ -83,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
         dirpath=root / "names", every_n_train_steps=args.every, save_top_k=-1, save_last=args.worker == LIGHTNING
     )
     model = Sleepy(width_for(args.size_gb))
-    data = loader(model.width, args.max_steps)
+    data = loader(model, args.max_steps)
     if args.worker == OURS:
         from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
 

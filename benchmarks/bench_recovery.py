@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
             return super().training_step(batch, batch_idx)
 
     model = Sleepy(width_for(args.size_gb))
-    data = loader(model.width, args.steps)
+    data = loader(model, args.steps)
     if args.worker == LIGHTNING:
         names = ModelCheckpoint(dirpath=root / "names", every_n_train_steps=args.every, save_last=True)
         run = trainer(args.steps, root, devices=2, strategy="ddp", callbacks=[names, Marks()])

@@ -61,7 +61,7 @@ def prepare(root: Path, size_gb: float) -> None:
     model = Net(width_for(size_gb))
     io = ResilientCheckpointIO(str(root / "ours"))
     run = trainer(SAVED_STEP, root, plugins=[io])
-    run.fit(model, loader(model.width, SAVED_STEP))
+    run.fit(model, loader(model, SAVED_STEP))
     run.save_checkpoint(str(root / "ours.ckpt"))
     io.teardown()  # waits for the commit
     run.strategy.checkpoint_io = TorchCheckpointIO()
@@ -95,10 +95,10 @@ def resume(variant: str, root: Path, size_gb: float, verify: str) -> None:
             plugins=[ResilientCheckpointIO(str(root / "ours"), verify=verify)],
             callbacks=[AutoResume(), first],
         )
-        run.fit(model, loader(model.width, SAVED_STEP + 1))
+        run.fit(model, loader(model, SAVED_STEP + 1))
     else:
         run = trainer(SAVED_STEP + 1, root, callbacks=[first])
-        run.fit(model, loader(model.width, SAVED_STEP + 1), ckpt_path=str(root / "plain.ckpt"))
+        run.fit(model, loader(model, SAVED_STEP + 1), ckpt_path=str(root / "plain.ckpt"))
     if first.step != SAVED_STEP + 1:
         raise RuntimeError(f"{variant}: the first step trained was {first.step}, not a resumed {SAVED_STEP + 1}")
     emit({"imported": imported, "start": first.start, "end": first.end})

@@ -111,7 +111,7 @@ def worker(variant: str, size_gb: float, saves: int, root: Path) -> None:
     times = TimedSaves(io)
     run = trainer(2 * saves + 1, root, devices=2, strategy=strategy, callbacks=[times])
     model = ShardedNet(width_for(size_gb))
-    run.fit(model, loader(model.width, 2 * saves + 1))
+    run.fit(model, loader(model, 2 * saves + 1))
     if ours:
         for sample, manifest in zip(times.samples, sorted(root.glob("ours/step-*/manifest.json")), strict=False):
             sample["bytes"] = written(manifest)

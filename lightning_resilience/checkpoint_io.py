@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
-from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
+from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError, crc
 from resilience import env_settings as env
 from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
 from resilience.dist import first_process_of_node, is_distributed
@@ -199,8 +199,10 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
-                # made for a name, which is copied from its shards: their records keep the CRC-32s it needs
-                handle = session.save(step, dataclasses.replace(state, record_crcs=True), reason="named")
+                # made for a name, which is copied from its shards and needs its records' CRC-32s: torch's pass
+                # records them in the shards unless the name's writer computes them faster as it copies
+                state = dataclasses.replace(state, record_crcs=not crc.FAST)
+                handle = session.save(step, state, reason="named")
 
             def lightnings_own(named: dict[str, Any]) -> None:  # outside fit(), as Lightning's tests expect
                 TorchCheckpointIO().save_checkpoint(named, path, storage_options=storage_options)

@@ -26,13 +26,13 @@ import pickle
 import struct
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
 
+from resilience.crc import crc32
 from resilience.direct_io import ALIGN, Window, copy_range, pwrite_aligned, reopen_direct
 from resilience.formats import raw_bytes
 from resilience.step_reader import ShardItem, StepReader
@@ -104,7 +104,7 @@ class _RecordWriter:
         """``data`` (in memory) into ``record``, its CRC-32 computed."""
         if len(data) != record.size:
             raise AssertionError(f"{len(data)} bytes to write into a record of {record.size}")
-        record.crc = _crc32(data)
+        record.crc = crc32(data)
         body = self._direct(record, lambda fd, count: pwrite_aligned(fd, data[:count], record.data_offset))
         _pwrite_all(self.fd, data[body:], record.data_offset + body)
         self.written += record.size
@@ -117,7 +117,7 @@ class _RecordWriter:
         running = [0]
 
         def seen(chunk: memoryview) -> None:
-            running[0] = zlib.crc32(chunk, running[0])
+            running[0] = crc32(chunk, running[0])
 
         check = seen if crc is None else None
         body = self._direct(record, lambda fd, count: copy_range(source, start, count, fd, record.data_offset, check))
@@ -377,13 +377,6 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done : done + _CHUNK], offset + done)
-
-
-def _crc32(data: memoryview) -> int:
-    crc = 0
-    for start in range(0, len(data), _CHUNK):
-        crc = zlib.crc32(data[start : start + _CHUNK], crc)
-    return crc
 
 
 def _patch_crcs(fd: int, records: Iterable[_Record]) -> None:
