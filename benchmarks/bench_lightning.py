@@ -469,6 +469,9 @@ def main() -> None:
         p.error("--every takes one value in this mode")
     else:
         args.every = args.every[0] if args.every else 10
+    if args.mode == "throughput" and args.steps < 3 * args.every:
+        # the steady state is every save interval but a fit's first and last: a fit needs a third
+        p.error(f"--steps {args.steps}: throughput needs at least 3 save intervals (3 x --every = {3 * args.every})")
     width = width_for(args.size_gb)
     model = Net(width, batch=args.batch)
     size = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # values and Adam's two moments
