@@ -126,15 +126,17 @@ def write_name(
     verify: bool,
     allow_pickle: bool,
     storage_options: dict[str, Any] | None = None,
+    held: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the Lightning ``.ckpt`` of committed step ``step`` holding the top-level ``keys`` (and ``extra``).
 
     Streamed as :func:`export` streams: the training process that writes a name holds a few tensors of the step
     at a time, never a second copy of the whole state. ``verify``: checksum every file first (skip it only for
-    a step this process has just written and hashed).
+    a step this process has just written and hashed). ``held``: tensors of the step still in memory (the
+    staging buffers it was written from), by DCP key, written from there instead of read back.
     """
     entry = committed_entry(tier, step, verify=verify)
-    reader = StepReader(entry, allow_pickle=allow_pickle)
+    reader = StepReader(entry, allow_pickle=allow_pickle, held=held)
     checkpoint = _Contents(reader, entry, reader.tree(STATE_FILE), 0, None, False, None).lightning_dict(keys)
     checkpoint.update(extra)
     with atomic_output(out, storage_options=storage_options) as stream:

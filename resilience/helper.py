@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import math
 import os
 import pickle
 import shutil
@@ -50,8 +49,7 @@ from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
 from resilience.save_handle import Commit, SaveHandle
-from resilience.shm import map_segment
-from resilience.staging import SEGMENTS, StagingJob
+from resilience.staging import SegmentRef, StagingJob, attach, segment_of
 from resilience.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -206,7 +204,7 @@ class HelperPipeline:
         self._send_lock = threading.Lock()  # also orders a kill with the connection: see kill()
         self._killed = False
         self._handles: dict[int, SaveHandle] = {}
-        self._sent_buffers: dict[str, tuple[str | None, str, tuple[int, ...]]] = {}
+        self._sent_buffers: dict[str, SegmentRef] = {}
         self._closed = threading.Event()
         # The helper is connected in the background: the fork server's interpreter takes seconds to import torch,
         # and a resume, which reads in this process, must not wait for it. Sending waits until it is there.
@@ -280,7 +278,7 @@ class HelperPipeline:
         if not job.handle.staged.done():
             job.handle.staged.set_result(None)
         # by segment name, not address: a buffer made anew (another shape) may be mapped where the old one was
-        segments = {k: _segment_of(_local(t)) for k, t in staged.items()}
+        segments = {k: segment_of(_local(t)) for k, t in staged.items()}
         fresh = {k: segment for k, segment in segments.items() if self._sent_buffers.get(k) != segment}
         spec = WriteSpec(
             step=job.step,
@@ -395,12 +393,6 @@ class HelperPipeline:
             with self._lock:
                 self.errors.append(error)
             handle.fail(error)
-
-
-def _segment_of(tensor: torch.Tensor) -> tuple[str | None, str, tuple[int, ...]]:
-    """How the helper finds a staging buffer: its shared-memory segment's name (None: empty), dtype and shape."""
-    name = SEGMENTS.get(tensor.data_ptr()) if tensor.numel() else None
-    return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
 
 
 def _local(tensor: Any) -> torch.Tensor:
@@ -558,8 +550,8 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
             return  # the training process is gone: nothing more will come
         kind = message[0]
         if kind == "buffers":
-            for key, (name, dtype, shape) in message[1].items():
-                buffers[key] = _attach(name, getattr(torch, dtype), shape, mapped)
+            for key, ref in message[1].items():  # the training process's staging buffers, read in place
+                buffers[key] = attach(ref, mapped)
         elif kind == "write":
             spec: WriteSpec = message[1]
             protected = set(spec.protected)
@@ -591,18 +583,6 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
             pipeline.close()
             send(("closed",))
             return
-
-
-def _attach(
-    name: str | None, dtype: torch.dtype, shape: tuple[int, ...], mapped: dict[str, torch.Tensor]
-) -> torch.Tensor:
-    """The training process's staging buffer, mapped here (read in place: nothing is copied)."""
-    if name is None:
-        return torch.empty(shape, dtype=dtype)
-    flat = mapped.get(name)
-    if flat is None:
-        flat = mapped[name] = map_segment(name)
-    return flat[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _forward(kind: str, step: int, handle: SaveHandle, send: Any) -> Any:

@@ -62,7 +62,7 @@ from resilience.packing import PackLayout
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.proofs import Proofs
 from resilience.save_handle import Commit, SaveHandle
-from resilience.staging import HostStager, StagingJob
+from resilience.staging import HostStager, Loan, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
 from resilience.survivors import only_held_by, share_among, split_by_origin
 from resilience.tree import flatten
@@ -131,6 +131,8 @@ class CheckpointManager:
         self._restored: Restored | None = None
         self._stager = HostStager(config.pin_memory, shared=config.persist == "process")
         self._staging: StagingJob | None = None
+        self._staged: tuple[SaveHandle, StagingJob] | None = None  # the save whose values the buffers hold
+        self._loans: list[Loan] = []
         self._last_layout: PackLayout | None = None
         self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
@@ -433,7 +435,8 @@ class CheckpointManager:
             self._helper_generation += 1  # a new group of helpers
             self.pipeline = self._start_pipeline()
         self._check_helpers()
-        busy = self._inflight is not None and not self._inflight.committed.done()
+        # busy: the previous save is not committed yet, or its buffers are still lent to a reader
+        busy = (self._inflight is not None and not self._inflight.committed.done()) or bool(self._lent())
         errors = self.pipeline.take_errors()
         flat = flatten(state)
         dealt, leaders = split_by_origin(flat.tensors, replicated)
@@ -480,8 +483,10 @@ class CheckpointManager:
                 self.stats.stall_s += time.monotonic() - t0
                 return None
             self.stats.waited_for_previous += 1
-            assert self._inflight is not None
-            concurrent.futures.wait([self._inflight.committed])
+            previous: list[concurrent.futures.Future[Any]] = [loan.returned for loan in self._lent()]
+            if self._inflight is not None:
+                previous.append(self._inflight.committed)
+            concurrent.futures.wait(previous)
         self.wait_for_staging()
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
         if not writers:
@@ -498,8 +503,10 @@ class CheckpointManager:
         tensors = {key: t for key, t in shared.items() if key not in packs}
         tensors.update(leaders if leader else {})
         tensors.update(rank_flat.tensors if rank_flat else {})
+        self._loans = []  # every loan is back (waited for above, or none was out: busy)
         staging = self._stager.stage(tensors, asynchronous=self.config.async_staging, packs=packs)
         handle = SaveHandle(step)
+        self._staged = (handle, staging)
         if not self.config.async_staging:
             handle.staged.set_result(None)
         block_s = time.monotonic() - t0
@@ -540,6 +547,22 @@ class CheckpointManager:
         self.stats.block_s.append(block_s)
         self.stats.stall_s += block_s
         return handle
+
+    def lend_staged(self, handle: SaveHandle) -> Loan | None:
+        """The tensors ``handle``'s save staged on this rank (plain tensors and packs, by DCP key), lent until
+        the loan is given back: the next save waits for that before it copies into the buffers. None when the
+        buffers hold a later save's values already. For a reader of the step that would otherwise read back the
+        files just written from them (a name's writer); it must still wait for ``handle.committed``.
+        """
+        if self._staged is None or self._staged[0] is not handle or self._closed:
+            return None
+        tensors = {key: t for key, t in self._staged[1].staged.items() if not isinstance(t, DTensor)}
+        loan = Loan(handle.step, tensors)
+        self._loans.append(loan)
+        return loan
+
+    def _lent(self) -> list[Loan]:
+        return [loan for loan in self._loans if not loan.returned.done()]
 
     def _pack_layout(self, tensors: dict[str, Any]) -> PackLayout:
         """Where this save packs its small plain tensors; the previous save's layout when the same (its views
@@ -833,6 +856,8 @@ class CheckpointManager:
         self.wait_for_staging()
         self._disarm_staging_barrier()
         finished = self._resting or self.pipeline.close(timeout)
+        # a reader in another process maps the buffers by name, which closing the stager unlinks
+        concurrent.futures.wait([loan.returned for loan in self._lent()], timeout)
         self._stager.close()
         if self.owner is not None:
             if self.is_local_leader:

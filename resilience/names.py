@@ -4,9 +4,12 @@
 users load those files with ``Model.load_from_checkpoint``, ``torch.load`` or a Trainer without this pack. The
 engine keeps each checkpoint as a committed ``step-<N>`` directory (the single source of truth, written in
 parallel by every rank); a name is materialised from it only after its local commit, in the background on
-rank 0: the step is streamed back (it is in the page cache), a few tensors at a time, into a temporary file
-in ``torch.save``'s format that is then renamed over the name. So a name never exists before its data is
-committed, never holds a partly written file, and never needs a second copy of the state in memory.
+rank 0, into a temporary file in ``torch.save``'s format that is then renamed over the name. The tensors come
+from the staging buffers the step was written from, which the save lends to the name's writer (the next save
+waits for them back: :meth:`CheckpointManager.lend_staged`), and whatever those do not hold (other ranks'
+shares, a step of an earlier run) is streamed back from the step's files a few tensors at a time. So a name
+never exists before its data is committed, never holds a partly written file, never needs a second copy of
+the state in memory, and seldom reads back what was just written (its files went past the page cache).
 
 Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
 step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`).
@@ -25,7 +28,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,10 +39,13 @@ from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
 from resilience.layout import parse_step_dirname
 from resilience.save_handle import SaveHandle
+from resilience.staging import Loan
 from resilience.storage import LocalTier, Tier
 from resilience.worker import Worker
 
 if TYPE_CHECKING:
+    import torch
+
     from resilience.config import CheckpointConfig
     from resilience.manager import CheckpointManager
 
@@ -73,12 +79,21 @@ class NameWriter:
         off_process: Write each name's file in a helper process forked for it (the engine's
             ``persist="process"``): reading the step back and serialising it would otherwise compete with the
             training thread for the interpreter lock. This thread only waits for it.
+        lend: The staged tensors of a save, lent until given back (the manager's ``lend_staged``), or None.
     """
 
-    def __init__(self, local: LocalTier, *, allow_pickle: bool = False, off_process: bool = False):
+    def __init__(
+        self,
+        local: LocalTier,
+        *,
+        allow_pickle: bool = False,
+        off_process: bool = False,
+        lend: Callable[[SaveHandle], Loan | None] | None = None,
+    ):
         self.local = local
         self.allow_pickle = allow_pickle
         self.off_process = off_process
+        self.lend = lend
         self._path = os.path.join(local.root, REGISTRY)
         self._lock = threading.Lock()
         self._names: dict[str, Name] = self._read()
@@ -98,7 +113,8 @@ class NameWriter:
         storage_options: dict[str, Any] | None = None,
         layout: str = FILE,
     ) -> Future[None]:
-        """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is).
+        """Write ``path`` from step ``step`` once ``handle`` is committed (None: it already is). Call before the
+        next save, so that a file name gets ``handle``'s staged tensors on loan.
 
         ``storage_options``: fsspec options for a ``path`` that is a URL (Lightning's per-save argument).
         ``layout``: :data:`FILE` or :data:`SHARDED`.
@@ -111,11 +127,13 @@ class NameWriter:
         ):  # the folder is there at once, as Lightning's own save leaves it (save_last links into it)
             os.makedirs(os.path.dirname(path), exist_ok=True)
         future: Future[None] = Future()
+        # a URL is uploaded after its file is written: the buffers are not held for that long
+        loan = self.lend(handle) if self.lend and handle and layout == FILE and "://" not in path else None
         with self._lock:
             self._names[path] = name
             self._store()
             self._pending[path] = future
-        self._worker.put((name, handle, future))
+        self._worker.put((name, handle, future, loan))
         return future
 
     def _done(self, name: Name, future: Future[None]) -> None:
@@ -180,18 +198,21 @@ class NameWriter:
 
     # ---- the background write ------------------------------------------------------------------------------
 
-    def _next(self, queue: list[tuple[Name, SaveHandle | None, Future[None]]]) -> None:
+    def _next(self, queue: list[tuple[Name, SaveHandle | None, Future[None], Loan | None]]) -> None:
         with self._worker.cond:
-            name, handle, future = queue.pop(0)
+            name, handle, future, loan = queue.pop(0)
         try:
-            self._write(name, handle)
+            self._write(name, handle, loan)
         except BaseException as exc:
             future.set_exception(exc)
         else:
             self._done(name, future)
             future.set_result(None)
+        finally:
+            if loan is not None:
+                loan.give_back()
 
-    def _write(self, name: Name, handle: SaveHandle | None) -> None:
+    def _write(self, name: Name, handle: SaveHandle | None, loan: Loan | None) -> None:
         with self._lock:
             if self._names.get(name.path) is not name:
                 return  # a later save of the same path (save_last, a re-saved top-k name) supersedes this one
@@ -214,6 +235,9 @@ class NameWriter:
                     extra=extra,
                 )
             else:
+                held: Mapping[str, torch.Tensor] | None = loan.tensors if loan is not None else None
+                if loan is not None and self.off_process:
+                    held = loan.by_segment()  # mapped by the helper; None: not in shared memory, read back
                 write = functools.partial(
                     write_name,
                     self.local,
@@ -224,6 +248,7 @@ class NameWriter:
                     verify=not fresh,
                     allow_pickle=allow_pickle,
                     storage_options=self._options.get(name.path),
+                    held=held,
                 )
                 if self.off_process:
                     from resilience.helper import call_in_helper  # imports torch.distributed: only when used
@@ -268,7 +293,10 @@ def repaired_writer(manager: CheckpointManager) -> NameWriter | None:
     if manager.rank != 0:
         return None
     names = NameWriter(
-        manager.local, allow_pickle=manager.config.allow_pickle, off_process=manager.config.persist == "process"
+        manager.local,
+        allow_pickle=manager.config.allow_pickle,
+        off_process=manager.config.persist == "process",
+        lend=manager.lend_staged,
     )
     names.repair(manager.committed_steps())
     return names

@@ -7,11 +7,12 @@ several times the copy itself; pinning them (for CUDA sources) lets the copy run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,7 +20,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from resilience.config import CheckpointConfig
 from resilience.packing import PackShare, Slot
-from resilience.shm import create_segment, release_segment
+from resilience.shm import create_segment, map_segment, release_segment
 
 
 def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
@@ -186,9 +187,87 @@ class HostStager:
         self._views.clear()
 
 
+class Loan:
+    """One save's staged tensors, lent to a reader until it gives them back; the next save waits for that.
+
+    A name's writer (a Lightning ``.ckpt`` made from a committed step) reads the tensors of the step it names
+    from here rather than from the files just written: those were written past the page cache, and on a disk
+    whose reads and writes share one bandwidth, reading a step back costs more than writing it. The buffers
+    hold exactly the bytes the step's files were written (and hashed) from, until the next save copies into
+    them, which is why that save waits for every loan of them to come back.
+
+    Args:
+        step: The save's step.
+        tensors: Its staged tensors on this rank, by DCP key (plain tensors and packs: a DTensor's buffer holds
+            its local shard, not the tensor).
+    """
+
+    def __init__(self, step: int, tensors: dict[str, torch.Tensor]):
+        self.step = step
+        self.tensors = tensors
+        self.returned: Future[None] = Future()
+
+    def give_back(self) -> None:
+        """The reader is done with the buffers (idempotent)."""
+        with contextlib.suppress(InvalidStateError):
+            self.returned.set_result(None)
+
+    def by_segment(self) -> SharedTensors | None:
+        """The same tensors for another process, by shared-memory segment; None where a buffer has none."""
+        refs = {key: segment_of(t) for key, t in self.tensors.items()}
+        if any(ref[0] is None and math.prod(ref[2]) for ref in refs.values()):
+            return None
+        return SharedTensors(refs)
+
+
+SegmentRef = tuple[str | None, str, tuple[int, ...]]  # segment name (None: empty tensor), dtype name, shape
+
+
+class SharedTensors(Mapping[str, torch.Tensor]):
+    """Staging buffers named by their shared-memory segments: pickled, they go to another process, which maps
+    each segment once, on first use, and reads the buffers in place (nothing is copied)."""
+
+    def __init__(self, refs: dict[str, SegmentRef]):
+        self.refs = refs
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    def __getstate__(self) -> dict[str, SegmentRef]:
+        return self.refs
+
+    def __setstate__(self, refs: dict[str, SegmentRef]) -> None:
+        self.__init__(refs)  # type: ignore[misc]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return attach(self.refs[key], self._mapped)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.refs)
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+
 # Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
 # by name. They live as long as their buffers (the stager unlinks them when it drops a buffer).
 SEGMENTS: dict[int, str] = {}
+
+
+def segment_of(tensor: torch.Tensor) -> SegmentRef:
+    """How another process finds a staging buffer: its segment's name (None: empty, or not shared), dtype, shape."""
+    name = SEGMENTS.get(tensor.data_ptr()) if tensor.numel() else None
+    return name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)
+
+
+def attach(ref: SegmentRef, mapped: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The staging buffer ``ref`` names, mapped in this process (each segment once, cached in ``mapped``)."""
+    name, dtype_name, shape = ref
+    dtype = getattr(torch, dtype_name)
+    if name is None:
+        return torch.empty(shape, dtype=dtype)
+    flat = mapped.get(name)
+    if flat is None:
+        flat = mapped[name] = map_segment(name)
+    return flat[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> torch.Tensor:

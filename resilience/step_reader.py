@@ -9,7 +9,7 @@ tensor (DCP reads a tensor's bytes before copying them into the target), whateve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -46,6 +46,8 @@ class StepReader:
         allow_pickle: Decode state values stored as pickles (they run code when decoded).
         budget_bytes: The most tensor bytes read into memory at once (a larger tensor is read alone).
         on_bytes: Told how many tensor bytes each batch read.
+        held: Tensors of this step already in memory, by DCP key (the staging buffers of the save that wrote
+            the step: :class:`~resilience.staging.Loan`); they are handed out from there, not read.
     """
 
     def __init__(
@@ -55,8 +57,10 @@ class StepReader:
         allow_pickle: bool = False,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         on_bytes: Callable[[int], None] | None = None,
+        held: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.entry = entry
+        self.held: Mapping[str, torch.Tensor] = held or {}
         self.allow_pickle = allow_pickle
         self.budget_bytes = max(1, budget_bytes)
         self.on_bytes = on_bytes
@@ -115,7 +119,7 @@ class StepReader:
         for placeholder in placeholders:
             key, dtype = self._source[id(placeholder)]
             saved = self.metadata.state_dict_metadata.get(key)
-            if key in self.layout.slots or not isinstance(saved, TensorStorageMetadata):
+            if key in self.layout.slots or key in self.held or not isinstance(saved, TensorStorageMetadata):
                 continue
             if saved.properties.dtype != dtype or len(saved.chunks) != 1:
                 continue
@@ -160,20 +164,22 @@ class StepReader:
             yield placeholder, values[key].to(dtype)
 
     def _values(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The saved tensors of ``keys``: DCP entries read as they are, packed ones out of their packs (each pack
-        read whole, once per call: a pack is at most ``pack_bytes``)."""
+        """The saved tensors of ``keys``: held ones as they are in memory, DCP entries read as they are, packed
+        ones out of their packs (each pack read whole, once per call: a pack is at most ``pack_bytes``)."""
         keys = list(keys)
+        held = self.held
         packed = [key for key in keys if key in self.layout.slots]
-        targets = {key: self._allocate(key) for key in keys if key not in self.layout.slots}
         packs = {self.layout.slots[key].pack for key in packed}
-        targets |= {pack: torch.empty(self.layout.sizes[pack], dtype=torch.uint8) for pack in packs}
+        targets = {key: self._allocate(key) for key in keys if key not in self.layout.slots and key not in held}
+        targets |= {pack: torch.empty(self.layout.sizes[pack], dtype=torch.uint8) for pack in packs if pack not in held}
         if targets:
             # Every target is this reader's own: the tensors DCP reads become them (no second copy in memory).
             read_tensors(self.entry, self.metadata, targets, adopt=list(targets))
         if self.on_bytes is not None:
             self.on_bytes(sum(t.nbytes for t in targets.values()))
-        values = {key: t for key, t in targets.items() if key not in packs}
-        return values | packing.unpack(self.layout, packed, targets, {})
+        values = {key: held[key] if key in held else targets[key] for key in keys if key not in self.layout.slots}
+        in_memory = {pack: held[pack] for pack in packs if pack in held}
+        return values | packing.unpack(self.layout, packed, targets | in_memory, {})
 
     def _allocate(self, key: str) -> torch.Tensor:
         shape, dtype = self._saved(key)
