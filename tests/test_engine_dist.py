@@ -55,6 +55,14 @@ def test_skip_decision_is_the_same_on_every_rank(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3"]
 
 
+@pytest.mark.parametrize("persist", ["thread", "process"])
+def test_a_name_on_two_ranks_takes_rank_0s_share_from_memory_and_the_rest_from_the_shards(
+    tmp_path: Path, persist: str
+) -> None:
+    outputs = run("name", tmp_path / "ckpt", 2, env={"TEST_PERSIST": persist})
+    assert "NAMED" in outputs[0]
+
+
 def test_failure_on_one_rank_raises_on_all_and_commits_nothing(tmp_path: Path) -> None:
     outputs = run("fail", tmp_path, 2)
     for out in outputs:

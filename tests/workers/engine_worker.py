@@ -133,6 +133,36 @@ def main() -> None:
             raise AssertionError("the failed save did not raise")
         manager.close()
 
+    elif scenario == "name":
+        # A Lightning name made on rank 0 from the save that wrote the step: rank 0's share of the tensors from
+        # the buffers it staged them in, the rest (rank 1's) read back from rank 1's shards.
+        from resilience.names import NameWriter
+
+        gen = torch.Generator().manual_seed(5)
+        weights = {f"layer{i}": torch.randn(600, 500, generator=gen) for i in range(4)}  # 1.2 MB each: not packed
+        weights["bias"] = torch.randn(9, generator=gen)  # packed
+        lent: list[str] = []
+        with CheckpointManager(config(args, persist=os.environ["TEST_PERSIST"])) as manager:
+            handle = manager.save(1, {"state_dict": weights}, extra={"adapter": "lightning"})
+            if rank == 0:
+
+                def lend(saved: Any) -> Any:
+                    loan = manager.lend_staged(saved)
+                    lent.extend(loan.tensors if loan is not None else [])
+                    return loan
+
+                names = NameWriter(manager.local, off_process=os.environ["TEST_PERSIST"] == "process", lend=lend)
+                path = os.path.join(args[0], "..", "names", "step1.ckpt")
+                names.add(path, 1, ["state_dict"], handle, run_id=None).result()
+                loaded = torch.load(path, weights_only=True)["state_dict"]
+                assert loaded.keys() == weights.keys(), loaded.keys()
+                for key, value in weights.items():
+                    assert torch.equal(loaded[key], value), key
+                staged_here = [k for k in lent if k.startswith("state_dict/layer")]
+                assert 0 < len(staged_here) < 4, lent  # both sources were used
+                print("NAMED", len(staged_here))
+            manager.wait()
+
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     if world > 1:
