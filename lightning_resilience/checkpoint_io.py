@@ -199,8 +199,9 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
-                # made for a name, which is copied from its shards and needs its records' CRC-32s: torch's pass
-                # records them in the shards unless the name's writer computes them faster as it copies
+                # made for a name, which copies what rank 0 did not stage (other ranks' shares, a URL name's
+                # all) from the shards and needs its records' CRC-32s: torch's pass records them in the shards
+                # unless the name's writer computes them faster as it copies
                 state = dataclasses.replace(state, record_crcs=not crc.FAST)
                 handle = session.save(step, state, reason="named")
 
