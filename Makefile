@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=25
 
 # Also the tests marked slow (longer trials, and scenarios the default run covers another way).
 test-all: $(STAMP)

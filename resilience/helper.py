@@ -71,6 +71,10 @@ class HelperSettings:
     parent_pid: int = 0
 
 
+# What a client sends the fork server first: which kind of helper it connects to.
+_PIPELINE, _CALL = b"pipeline", b"call"
+
+
 @dataclass(frozen=True)
 class Call:
     """One function to run in a helper forked for it: a module-level function with picklable arguments, run
@@ -315,6 +319,7 @@ class HelperPipeline:
     def _connect(self) -> Connection | None:
         try:
             conn = ForkServer.get().connect(CONNECT_TIMEOUT_S)
+            conn.send_bytes(_PIPELINE)
             conn.send(self.settings)
             kind, pid = conn.recv()
             if kind != "ready":
@@ -423,6 +428,7 @@ def call_in_helper(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     whole or absent when it is cut short (as :func:`resilience.export.atomic_output` makes a file)."""
     conn = ForkServer.get().connect()
     try:
+        conn.send_bytes(_CALL)
         conn.send(Call(function, args, kwargs, helper_log_level(), helper_preload(), dict(os.environ), os.getpid()))
         try:
             kind, payload = conn.recv()
@@ -450,7 +456,7 @@ def _serve(address: str, keepalive_fd: int) -> None:
     """The fork server: fork a helper for every connection, until the training process goes away."""
     import selectors
 
-    _import_once_for_all_helpers()
+    warmed = False
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
     selector = selectors.DefaultSelector()
     selector.register(listener._listener._socket, selectors.EVENT_READ, "accept")  # type: ignore[attr-defined]
@@ -463,6 +469,14 @@ def _serve(address: str, keepalive_fd: int) -> None:
                 shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # the socket's private folder
                 return
             conn = listener.accept()
+            try:
+                kind = conn.recv_bytes(16)  # sent first by both clients, before what the helper reads
+            except (EOFError, OSError):
+                conn.close()
+                continue
+            if kind == _CALL and not warmed:
+                _import_once_for_all_helpers()
+                warmed = True
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
@@ -479,9 +493,10 @@ def _serve(address: str, keepalive_fd: int) -> None:
 
 
 def _import_once_for_all_helpers() -> None:
-    """Import here what a forked helper would otherwise import again for every call: a name's writer makes
-    placeholder tensors, and torch's fake-tensor mode imports ``torch._dynamo`` the first time one is made
-    (0.5-0.9 s on a 2-core VM, out of a 1.6 GB name's 2.5 s)."""
+    """Import in the server, at its first :class:`Call`, what a helper forked for a call would otherwise import
+    again every time: a name's writer makes placeholder tensors, and torch's fake-tensor mode imports
+    ``torch._dynamo`` the first time one is made (0.5-0.9 s of CPU on a 2-core VM, out of a 1.6 GB name's
+    2.5 s). Not at the server's start: most processes never write a name, and would pay it at every launch."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     FakeTensorMode()
