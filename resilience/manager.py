@@ -557,7 +557,7 @@ class CheckpointManager:
         if self._staged is None or self._staged[0] is not handle or self._closed:
             return None
         tensors = {key: t for key, t in self._staged[1].staged.items() if not isinstance(t, DTensor)}
-        loan = Loan(handle.step, tensors)
+        loan = Loan(tensors)
         self._loans.append(loan)
         return loan
 

@@ -197,13 +197,11 @@ class Loan:
     them, which is why that save waits for every loan of them to come back.
 
     Args:
-        step: The save's step.
-        tensors: Its staged tensors on this rank, by DCP key (plain tensors and packs: a DTensor's buffer holds
-            its local shard, not the tensor).
+        tensors: The save's staged tensors on this rank, by DCP key (plain tensors and packs: a DTensor's buffer
+            holds its local shard, not the tensor).
     """
 
-    def __init__(self, step: int, tensors: dict[str, torch.Tensor]):
-        self.step = step
+    def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
         self.returned: Future[None] = Future()
 
