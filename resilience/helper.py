@@ -480,7 +480,10 @@ def _serve(address: str, keepalive_fd: int) -> None:
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
-                os.close(keepalive_fd)
+                if kind == _CALL:
+                    _exit_with_training_process(keepalive_fd)
+                else:  # a persist helper reads its connection all the time: its EOF says the same
+                    os.close(keepalive_fd)
                 try:
                     first = conn.recv()
                     if isinstance(first, Call):
@@ -500,6 +503,20 @@ def _import_once_for_all_helpers() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     FakeTensorMode()
+
+
+def _exit_with_training_process(keepalive_fd: int) -> None:
+    """A helper forked for a call exits as soon as its training process is gone, mid-call or not, as the
+    training process's own threads would. What it writes is whole or absent either way; and a name an orphan
+    went on writing could land after a relaunch wrote the same path anew (``last.ckpt`` back to an older
+    step). The relaunch writes again what was cut short (:meth:`~resilience.names.NameWriter.repair`)."""
+
+    def watch() -> None:
+        while os.read(keepalive_fd, 64):  # nothing is ever written: this returns b"" when the writer is gone
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="resilience-parent-watch", daemon=True).start()
 
 
 def _reap() -> None:

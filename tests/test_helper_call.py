@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +18,9 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager, export
 from resilience.errors import CheckpointError
 from resilience.helper import call_in_helper
-from resilience.names import NameWriter
+from resilience.names import NameWriter, repaired_writer
+from tests.helpers import ROOT, WORKERS, base_env
+from tests.workers.name_then_killed import state as killed_state
 
 
 class Unrebuildable(Exception):
@@ -68,8 +72,8 @@ def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkey
 def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_dies")
-    monkeypatch.setenv("TEST_KILL_NAME_WRITER", "1")
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
+    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", "die")
     state = {"w": torch.randn(300, 100)}
     name = tmp_path / "out" / "last.ckpt"
     with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt")) as manager:
@@ -80,7 +84,7 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
         assert not name.exists()  # never half a file at the name: the helper died inside its temporary file
         (leftover,) = name.parent.glob(".last.ckpt.tmp-*")
         _wait_until_gone(int(leftover.name.split("-")[-2]))  # its connection closes before it has quite exited
-        monkeypatch.setenv("TEST_KILL_NAME_WRITER", "0")
+        monkeypatch.setenv("TEST_NAME_WRITER_DRILL", "")
         again = NameWriter(manager.local, off_process=True)  # the next start: the record says it is unwritten
         again.repair(manager.committed_steps())
         assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the dead writer's temporary file stays behind"
@@ -89,6 +93,43 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
         pending.result()
     loaded = torch.load(name, weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], state["w"])
+
+
+def test_a_name_being_written_when_its_training_process_is_killed_is_cut_short_and_written_by_the_next_start(
+    tmp_path: Path,
+) -> None:
+    # An orphan that went on writing could replace a newer file the relaunch wrote at the same path.
+    root, name, pid_file = tmp_path / "ckpt", tmp_path / "out" / "last.ckpt", tmp_path / "writer.pid"
+    drill = {
+        "RESILIENCE_HELPER_PRELOAD": "tests.workers.name_writer_drill",
+        "TEST_NAME_WRITER_DRILL": f"hang:{pid_file}",
+    }
+    script = [sys.executable, str(WORKERS / "name_then_killed.py"), str(root), str(name)]
+    proc = subprocess.Popen(script, env=base_env(drill), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists():  # the helper has written a record from shared memory, and hangs
+            assert proc.poll() is None, f"the training process exited with code {proc.returncode}"
+            assert time.monotonic() < deadline, "the name's helper wrote nothing from the lent buffers"
+            time.sleep(0.05)
+        writer = int(pid_file.read_text())
+        assert psutil.pid_exists(writer) and writer != proc.pid
+        proc.kill()  # kill -9 of the training process alone: its helpers are left to notice
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _wait_until_gone(writer)
+    assert not name.exists()  # cut short inside its temporary file
+    with CheckpointManager(CheckpointConfig(local_root=root)) as manager:  # the relaunch
+        names = repaired_writer(manager)
+        assert names is not None
+        pending = names.pending(str(name))
+        assert pending is not None, "the relaunch did not write the name again"
+        pending.result()
+    assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the cut-short writer's temporary file stays behind"
+    loaded, saved = torch.load(name, weights_only=True)["state_dict"], killed_state()
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
 
 
 def _wait_until_gone(pid: int, timeout: float = 30) -> None:
