@@ -22,7 +22,10 @@ finish well within 8 minutes on an H200.
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -283,14 +286,28 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}); state about "
         f"{args.size_gb} GB, batch {args.batch}",
     )
-    bandwidth(args.bandwidth_gb, report)
-    with scratch(args.dir, "gpu") as root:
-        engine_turns(args, root, report)
-        torch.cuda.empty_cache()  # that model is gone; the next part builds its own
-        nvml_readings(report)
-        monitor(args, root, report)
-    report.add(f"\n_{time.monotonic() - started:.0f} s for the whole check._")
-    report.print()
+    # gpu_check.sh's time limit sends SIGTERM first: print what was measured up to then.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit("gpu_check: stopped at its time limit"))
+    try:
+        with scratch(args.dir, "gpu") as root:
+            parts = {
+                "device-to-host copies": lambda: bandwidth(args.bandwidth_gb, report),
+                "blocking per save": lambda: engine_turns(args, root, report),
+                "NVML readings": lambda: nvml_readings(report),
+                "health monitor": lambda: monitor(args, root, report),
+            }
+            for name, part in parts.items():
+                # Nothing of this has run on a GPU before: one part failing must not hide what the others measure.
+                try:
+                    part()
+                except Exception as exc:  # noqa: BLE001 - reported, with its traceback on stderr
+                    traceback.print_exc()
+                    report.add(f"\n- {name}: failed with {type(exc).__name__}: {exc}")
+                torch.cuda.empty_cache()  # each part builds its own tensors
+                print(f"gpu_check: {name} done at {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        report.add(f"\n_{time.monotonic() - started:.0f} s for the whole check._")
+        report.print()
 
 
 if __name__ == "__main__":
