@@ -300,7 +300,7 @@ def main() -> None:
                 # Nothing of this has run on a GPU before: one part failing must not hide what the others measure.
                 try:
                     part()
-                except Exception as exc:  # noqa: BLE001 - reported, with its traceback on stderr
+                except Exception as exc:  # reported, with its traceback on stderr
                     traceback.print_exc()
                     report.add(f"\n- {name}: failed with {type(exc).__name__}: {exc}")
                 torch.cuda.empty_cache()  # each part builds its own tensors

@@ -1,8 +1,10 @@
 """Lightning: how long each CheckpointIO stops training per save, and what saving costs 100 steps (issue 3).
 
 A LightningModule of 8 x Linear(w, w) with Adam (w from --size-gb; 1.6 GB gives w = 4096), synthetic data,
-``Trainer(accelerator="cpu")``, one fit per variant per round, variants in rotating order. Saves go through
-``trainer.save_checkpoint`` from a callback on the training thread; blocking = the wall time of that call, plus
+``Trainer(accelerator="cpu")`` (``--accelerator gpu``: one CUDA device, each step's input made once on it; the
+floor's buffers are then pinned, so it is the pinned device-to-host copy of the state), one fit per variant per
+round, variants in rotating order. Saves go through ``trainer.save_checkpoint`` from a callback on the training
+thread; blocking = the wall time of that call, plus
 for our asynchronous staging the wait the engine's optimizer pre-step hook makes the next ``optimizer.step()``
 do (read from the engine's counters). Variants: TorchCheckpointIO (Lightning's default), AsyncCheckpointIO
 (clones every tensor on the training thread, then torch.save in a thread), ours (``ResilientCheckpointIO``)
@@ -95,30 +97,45 @@ BUFFERED = "ours, async staging, buffered writes (direct_io=False)"
 
 
 class Net(pl.LightningModule):
-    """8 x Linear(w, w) trained with Adam on a mean-square loss: the state is parameters plus Adam's moments."""
+    """8 x Linear(w, w) trained with Adam on a mean-square loss: the state is parameters plus Adam's moments.
 
-    def __init__(self, width: int, layers: int = LAYERS, batch: int = BATCH) -> None:
+    ``accelerator`` is the Trainer's the benchmark fits it with; on "gpu" every step trains on one input made
+    once on the device, so a step is compute alone (a host batch of 16384 x 4096 would add a 268 MB
+    host-to-device copy to every step).
+    """
+
+    def __init__(self, width: int, layers: int = LAYERS, batch: int = BATCH, accelerator: str = "cpu") -> None:
         super().__init__()
         self.width, self.batch = width, batch  # batch: the rows of each step's data (the compute per step)
+        self.accelerator = accelerator
+        self.device_data = accelerator == "gpu"
+        self._input: torch.Tensor | None = None
         self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.net(batch[0]).square().mean()
+        if not self.device_data:
+            return self.net(batch[0]).square().mean()
+        if self._input is None or self._input.device != self.device:
+            self._input = torch.randn(self.batch, self.width, device=self.device)
+        return self.net(self._input).square().mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-4)
 
 
 def loader(model: Net, steps: int) -> DataLoader[tuple[torch.Tensor, ...]]:
+    if model.device_data:  # the steps' input is on the device already: the loader only counts the steps
+        return DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1)
     return DataLoader(TensorDataset(torch.randn(steps * model.batch, model.width)), batch_size=model.batch)
 
 
-def trainer(max_steps: int, root: Path, **kwargs: Any) -> pl.Trainer:
-    """A CPU Trainer with nothing on that a benchmark does not ask for (no logger, progress bar or checkpoints)."""
+def trainer(max_steps: int, root: Path, accelerator: str = "cpu", **kwargs: Any) -> pl.Trainer:
+    """A one-device Trainer with nothing on that a benchmark does not ask for (no logger, progress bar or
+    checkpoints)."""
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         max_steps=max_steps,
         logger=False,
         # Lightning wants this on when a Checkpoint callback (AutoResume) is given, and adds none of its own then
@@ -228,7 +245,7 @@ def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], dra
     directory = Path(tempfile.mkdtemp(prefix="fit-", dir=root))
     io = PLUGINS[variant](directory)
     saves = TimedSaves(directory, set() if variant == NO_SAVES else save_at, drain_each)
-    run = trainer(steps, directory, plugins=[io] if io is not None else None, callbacks=[saves])
+    run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=[saves])
     run.fit(model, loader(model, steps))
     del run
     gc.collect()
@@ -389,7 +406,7 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
         callbacks.append(PeriodicCheckpoint(every_n_steps=every))
     elif variant != NO_SAVES:
         callbacks.append(CountedCheckpoint(dirpath=directory / "names", every_n_train_steps=every, save_top_k=-1))
-    run = trainer(steps, directory, plugins=[io] if io is not None else None, callbacks=callbacks)
+    run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
     data = loader(model, steps)
     gc.collect()
     wall, cpu = now(), cpu_seconds()
@@ -452,6 +469,12 @@ def main() -> None:
         default=BATCH,
         help="rows per step (default %(default)s): more is more compute per step against the same state",
     )
+    p.add_argument(
+        "--accelerator",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="cpu (default), or gpu: one CUDA device, each step's input made once on it (no host batches)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="added: paired rounds after a warm-up (default %(default)s)")
     p.add_argument(
         "--variants",
@@ -473,7 +496,7 @@ def main() -> None:
         # the steady state is every save interval but a fit's first and last: a fit needs a third
         p.error(f"--steps {args.steps}: throughput needs at least 3 save intervals (3 x --every = {3 * args.every})")
     width = width_for(args.size_gb)
-    model = Net(width, batch=args.batch)
+    model = Net(width, batch=args.batch, accelerator=args.accelerator)
     size = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # values and Adam's two moments
     if args.mode == "blocking":
         what = (
@@ -495,7 +518,7 @@ def main() -> None:
     report = Report(
         f"Lightning: {title} (issue 3)",
         f"LightningModule of {LAYERS} x Linear({width}, {width}) + Adam = {size / 1e9:.2f} GB, batch {args.batch}, "
-        f"Trainer(accelerator='cpu'); {what}, variants in rotating order; median [IQR] in seconds",
+        f"Trainer(accelerator='{args.accelerator}'); {what}, variants in rotating order; median [IQR] in seconds",
     )
     with scratch(args.dir, "lightning") as root:
         {"blocking": blocking, "throughput": throughput, "added": added}[args.mode](args, model, root, report)
