@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -21,6 +22,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from resilience.config import CheckpointConfig
 from resilience.packing import PackShare, Slot
 from resilience.shm import create_segment, map_segment, release_segment
+
+log = logging.getLogger(__name__)
 
 
 def barrier_for(config: CheckpointConfig, modules: Iterable[torch.nn.Module]) -> CheckpointConfig:
@@ -248,6 +251,11 @@ class SharedTensors(Mapping[str, torch.Tensor]):
 # Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
 # by name. They live as long as their buffers (the stager unlinks them when it drops a buffer).
 SEGMENTS: dict[int, str] = {}
+# Page-locked (cudaHostRegister) segment mappings by data pointer, each held here until it is unregistered: the
+# driver must see cudaHostUnregister before the memory is unmapped, or it keeps the old registration for that
+# address range and a later mapping there is taken for it (on an H200, after one fit's buffers were freed
+# registered, the next fit failed with "resource already mapped").
+PINNED: dict[int, torch.Tensor] = {}
 
 
 def segment_of(tensor: torch.Tensor) -> SegmentRef:
@@ -283,15 +291,29 @@ def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> to
     buffer = flat.view(dtype).view(tuple(shape))
     SEGMENTS[buffer.data_ptr()] = name
     if pin and buffer.numel():
-        cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)) != 0:
-            raise RuntimeError("cudaHostRegister refused to page-lock a staging buffer: set pin_memory=False")
+        error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(error) != 0:
+            SEGMENTS.pop(buffer.data_ptr())
+            release_segment(name)
+            raise RuntimeError(
+                f"cudaHostRegister refused to page-lock a staging buffer ({error}): set pin_memory=False"
+            )
+        PINNED[buffer.data_ptr()] = flat
     return buffer
 
 
 def _release(buffer: torch.Tensor) -> None:
-    """Unlink a buffer's shared-memory segment, if it has one (mappings elsewhere stay valid until unmapped)."""
-    name = SEGMENTS.pop(buffer.data_ptr(), None)
+    """Unregister a page-locked buffer (once no copy into it can be running) and unlink its shared-memory segment,
+    if it has one (mappings elsewhere stay valid until they are dropped)."""
+    pointer = buffer.data_ptr()
+    if pointer in PINNED:
+        torch.cuda.synchronize()  # an asynchronous copy into it may still run; releases are rare (close, reshape)
+        error = torch.cuda.cudart().cudaHostUnregister(pointer)
+        if int(error) != 0:  # kept mapped, as registered: unmapping it would leave the driver's record stale
+            log.warning("cudaHostUnregister of a staging buffer failed (%s); its memory stays mapped", error)
+        else:
+            del PINNED[pointer]
+    name = SEGMENTS.pop(pointer, None)
     if name is not None:
         release_segment(name)
 

@@ -7,12 +7,13 @@ import json
 import math
 import random
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError
+from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError, shm, staging
 from resilience.manifest import FileEntry, Manifest, check_relative_path, hash_bytes, hash_stream
 from resilience.retention import steps_to_delete
 from resilience.storage import DurableTier, LocalTier, redact
@@ -253,3 +254,52 @@ def test_replicated_tensors_are_dealt_out_among_the_ranks_that_write() -> None:
     # rank 1 abstains (a sick GPU) or is lost: ranks 0 and 2 write everything between them
     thirds = [share_among(tensors, rank, [0, 2]) for rank in range(3)]
     assert thirds[1] == {} and sorted([*thirds[0], *thirds[2]]) == sorted(tensors)
+
+
+class RecordingCudart:
+    """The CUDA runtime calls staging makes, recorded; this machine has no GPU. ``refuse``: registration fails."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, pointer: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", pointer))
+        return 1 if self.refuse else 0  # 1: cudaErrorInvalidValue
+
+    def cudaHostUnregister(self, pointer: int) -> int:
+        self.calls.append(("unregister", pointer))
+        return 0
+
+
+def test_a_page_locked_shared_buffer_is_unregistered_before_its_memory_is_unmapped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Freed while registered, a mapping leaves the driver a stale record for its addresses, and the next buffer
+    mapped there fails to copy; the registration holds the mapping until it is undone."""
+    cudart = RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: cudart.calls.append(("synchronize", 0)))
+    stager = staging.HostStager(pin_memory=True, shared=True)
+    buffer = stager._buffer("w", (4, 1024), torch.float32, cuda=True)
+    pointer = buffer.data_ptr()
+    name = staging.SEGMENTS[pointer]
+    assert cudart.calls == [("register", pointer)]
+    assert staging.PINNED[pointer].data_ptr() == pointer  # the mapping stays while registered
+    del buffer
+    stager.close()
+    assert cudart.calls[1:] == [("synchronize", 0), ("unregister", pointer)]  # no copy into it runs any more
+    assert pointer not in staging.PINNED and pointer not in staging.SEGMENTS
+    assert not (Path(shm.SHM_DIR) / name).exists()
+    plain = staging.HostStager(pin_memory=True, shared=True)  # a CPU source's buffer is never page-locked
+    plain._buffer("w", (16,), torch.float32, cuda=False)
+    plain.close()
+    assert len(cudart.calls) == 3
+
+
+def test_a_refused_page_lock_names_the_fix_and_leaves_no_segment(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RecordingCudart(refuse=True))
+    segments = lambda: set(Path(shm.SHM_DIR).glob(f"{shm.PREFIX}{shm._token()}_*"))  # noqa: E731
+    before, known = segments(), dict(staging.SEGMENTS)
+    with pytest.raises(RuntimeError, match="set pin_memory=False"):
+        staging.HostStager(pin_memory=True, shared=True)._buffer("w", (1024,), torch.float32, cuda=True)
+    assert known == staging.SEGMENTS
+    assert segments() == before
