@@ -18,7 +18,8 @@ the same call after ``attach(accelerator, ResiliencePlugin(...))``, which routes
 to them: the floor (the same points copy every tensor into buffers allocated once, and write nothing) and the
 same loop without saves. A run's wall time spans ``attach`` (ours; the others start at the same point), the loop,
 and the wait until its last save is complete: ``resilience.wait()`` (committed; ``close()``, after the clock
-stops, ends its helper process); Accelerate's save is complete when it returns (not synced to disk). Paired
+stops, ends its helper process); Accelerate's save is complete when it returns (not synced to disk). The same
+until the loop's end, before that wait (a run pays it once, however long it runs), is reported too. Paired
 rounds as in ``bench_lightning --mode added``: added wall time per save = (the run's wall time - the same round's
 no-save run's) / saves, and the same from CPU time: user + system seconds of the training process (all threads)
 and of every process it started, live or exited, so our helper process (``persist="process"``) counts; see
@@ -142,6 +143,7 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
             floor.copy(tensors_in(model_state(model, optimizer)))
         else:
             accelerator.save_state()  # ours once attached: resilience.save(), in the background
+    trained = now() - wall
     if resilience is not None:
         resilience.wait()  # the last save committed
     wall, cpu = now() - wall, cpu_seconds() - cpu
@@ -153,7 +155,7 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
     del accelerator, optimizer, net, data, resilience
     gc.collect()
     shutil.rmtree(directory, ignore_errors=True)
-    return {"wall": wall, "cpu": cpu, "saves": saves}
+    return {"wall": wall, "cpu": cpu, "saves": saves, "trained": trained}
 
 
 def added(args: argparse.Namespace) -> None:

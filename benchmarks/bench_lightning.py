@@ -25,7 +25,9 @@ steps (default 16) with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`
 and its last save is complete: Lightning's teardown waits for AsyncCheckpointIO's thread and for our engine's
 commit and ``.ckpt`` names; ``drain`` then confirms it. Paired rounds: a round holds, for each N, one fit of every
 variant and one fit without saves, in an order that rotates from turn to turn; a variant's added wall time per
-save in that round is (its fit's wall time - the same round's no-save fit's) / its saves. The same from CPU time:
+save in that round is (its fit's wall time - the same round's no-save fit's) / its saves; the same until training
+ended (``on_train_end``, before the teardown's wait for the last save, which a fit pays once, however long it
+runs), and that wait apart. The same from CPU time:
 user + system seconds of the training process (all threads) and of every process it started, the helper process
 our engine persists in by default (``persist="process"``) included, whether still running (psutil, live
 descendants) or exited (``RUSAGE_CHILDREN``, and the fork server's own reaped children); see
@@ -387,6 +389,15 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
     )
 
 
+class TrainingEnd(pl.Callback):
+    """When training ended: after the last step and its save call, before the teardown waits for that save."""
+
+    at = 0.0
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at = now()
+
+
 class CountedCheckpoint(ModelCheckpoint):
     """ModelCheckpoint counting the saves it makes."""
 
@@ -401,7 +412,8 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
     """One whole ``Trainer.fit()`` of ``steps`` steps saving every ``every``: wall and CPU seconds, saves made."""
     directory = Path(tempfile.mkdtemp(prefix="added-", dir=root))
     io = PLUGINS[variant](directory)
-    callbacks: list[pl.Callback] = []
+    end = TrainingEnd()
+    callbacks: list[pl.Callback] = [end]
     if variant == PERIODIC:
         callbacks.append(PeriodicCheckpoint(every_n_steps=every))
     elif variant != NO_SAVES:
@@ -416,6 +428,7 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
         manager.drain()
     elif io is not None:
         drain(io)
+    trained = end.at - wall
     wall, cpu = now() - wall, cpu_seconds() - cpu
     if manager is not None:
         saves = manager.stats.saves
@@ -425,7 +438,7 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
     del run, io, manager
     gc.collect()
     shutil.rmtree(directory, ignore_errors=True)
-    return {"wall": wall, "cpu": cpu, "saves": saves}
+    return {"wall": wall, "cpu": cpu, "saves": saves, "trained": trained}
 
 
 def added(args: Any, model: Net, root: Path, report: Report) -> None:

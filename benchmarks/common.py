@@ -257,7 +257,8 @@ def paired_rounds(
 
     A round holds one fit of each variant per interval, in an order that rotates from one interval's turn to the
     next, so the fits compared with each other ran minutes apart at most. Each fit's sample holds ``wall``,
-    ``cpu`` and ``saves``; ``fits[every][variant][round]`` is returned.
+    ``cpu`` and ``saves``, and may hold ``trained`` (wall seconds until training ended, before the wait for the last
+    save); ``fits[every][variant][round]`` is returned.
     """
     for name in names:
         fit(name, min(everies), min(everies))
@@ -403,9 +404,30 @@ def _report_interval(
             ),
         ],
     )
+    # "trained": seconds from the run's start to the end of its last step, before the wait for its last save
+    trained = all("trained" in fit for v in by_variant for fit in by_variant[v])
+    if trained:
+        report.add(
+            "Until the end of training (before the run's wait for its last save, which it pays once): added wall "
+            "per save, and that wait."
+        )
+        report.table(
+            ["variant", "added wall per save while training", "x floor", "the run's end: wait for its last save"],
+            [
+                [
+                    v,
+                    per_save(v, "trained").fmt(),
+                    x_floor(v, "trained"),
+                    Stats.of(fit["wall"] - fit["trained"] for fit in by_variant[v]).fmt(),
+                ]
+                for v in variants
+            ],
+        )
     for mine in (v for v in ours if v in variants):
         cells = []
-        for key, what in (("wall", "wall"), ("cpu", "CPU")):
+        for key, what in (("wall", "wall"), ("cpu", "CPU")) + (
+            (("trained", "wall while training"),) if trained else ()
+        ):
             added = per_save(mine, key).median
             versus = f", {rival} {ratio(per_save(rival, key).median, added):.2f}x it" if rival in variants else ""
             cells.append(f"{what}: {x_floor(mine, key)}x the floor{versus}")

@@ -100,8 +100,23 @@ def run_ranks(
 ) -> list[RankResult]:
     """Run ``world_size`` ranks of ``script`` and wait for all of them.
 
-    On timeout every rank is killed and the test fails with each rank's output, so a hang is never silent.
+    On timeout every rank is killed and the test fails with each rank's output, so a hang is never silent. The
+    port :func:`free_port` found can be taken by another process before rank 0 listens on it (tests run in
+    parallel): then the ranks are started again on another port, at most twice.
     """
+    for _ in range(2):
+        results = _run_ranks_once(script, args, world_size, timeout, env)
+        if not any(r.returncode != 0 and PORT_TAKEN in r.output for r in results):
+            return results
+    return _run_ranks_once(script, args, world_size, timeout, env)
+
+
+PORT_TAKEN = "EADDRINUSE"  # what rank 0's TCPStore says when its port was taken
+
+
+def _run_ranks_once(
+    script: str | Path, args: Sequence[str], world_size: int, timeout: float, env: dict[str, str] | None
+) -> list[RankResult]:
     procs = start_ranks(script, args, world_size, env=env)
     deadline = time.monotonic() + timeout
     results = []
@@ -115,6 +130,8 @@ def run_ranks(
                 outputs = "\n".join(f"--- rank {r}:\n{p.communicate()[0]}" for r, p in enumerate(procs))
                 raise AssertionError(f"ranks did not finish within {timeout}s\n{outputs}") from None
             results.append(RankResult(rank, proc.returncode, out))
+            if proc.returncode != 0 and PORT_TAKEN in out:  # the others wait for a store that never came up
+                return results
     finally:
         for proc in procs:
             kill_tree(proc)

@@ -217,14 +217,16 @@ def test_sigkill_and_relaunch_show_in_the_ledger_with_lost_progress(
         )
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-        while True:  # a commit, then steps past it (the next save is 3 steps, 0.9 s, away): kill now
+        while True:  # steps past the last save, which is committed: kill now (the next save is 0.3 s a step away)
             assert proc.poll() is None, f"the job ended early:\n{(out / 'worker.log').read_text()}"
             assert time.monotonic() < deadline, "no step past a committed checkpoint in time"
+            # The ledger first, the commits after: read the other way round under load, a save made and committed
+            # between the two reads could be the step the job is killed at, and nothing would be lost.
+            incarnations = summarize(ckpt).incarnations if (ckpt / "goodput").is_dir() else []
+            reached = incarnations[0].last_step if incarnations else None
             steps = committed_steps(ckpt)
-            if steps and (ckpt / "goodput").is_dir():
-                reached = summarize(ckpt).incarnations[0].last_step
-                if reached is not None and reached > steps[-1]:
-                    break
+            if reached is not None and steps and steps[-1] == reached // 4 * 4 < reached:
+                break
             time.sleep(0.05)
     finally:
         kill_tree(proc)
