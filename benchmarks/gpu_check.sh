@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (issue 8, item 9): pinned staging bandwidth against a plain device-to-host copy, blocking time with
-# asynchronous staging during real GPU training steps, real NVML readings with the health monitor running
-# against them; then (issue 18) what saves cost a real Lightning fit on the GPU in its steady state, each
-# CheckpointIO side by side (bench_lightning --mode throughput --accelerator gpu). Needs one CUDA GPU and a
-# CUDA build of torch in the interpreter it runs (PYTHON, default .venv/bin/python; the CPU wheel that
-# `make setup` installs will not do), with Lightning for the second part. Sized to finish within 8 minutes on
-# one H200 (2026-12-04: the first part took 115 s); hard limits of 200 s and 250 s stop each part otherwise.
-# Prints markdown and keeps a copy in benchmarks/out/gpu_check.md, to paste into benchmarks/RESULTS.md.
+# GPU check: the CUDA tests (tests/test_cuda.py), then (issue 8, item 9) pinned staging bandwidth against a
+# plain device-to-host copy, blocking time with asynchronous staging during real GPU training steps, real NVML
+# readings with the health monitor running against them, then (issue 18) what saves cost a real Lightning fit
+# on the GPU in its steady state, each CheckpointIO side by side (bench_lightning --mode throughput
+# --accelerator gpu). Needs one CUDA GPU and a CUDA build of torch in the interpreter it runs (PYTHON, default
+# .venv/bin/python; the CPU wheel that `make setup` installs will not do), with pytest and Lightning. Sized to
+# finish within 8 minutes on one H200 (2026-12-04: the bench_gpu part took 115 s); hard limits of 120 s, 200 s
+# and 250 s stop each part otherwise. Prints markdown and keeps a copy in benchmarks/out/gpu_check.md, to paste
+# into benchmarks/RESULTS.md.
 #
 #     benchmarks/gpu_check.sh [--quick] [any option of: python -m benchmarks.bench_gpu --help]
 set -euo pipefail
@@ -20,6 +21,8 @@ fi
 mkdir -p benchmarks/out
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
 status=0
+# The CUDA tests first (skipped on machines without a GPU; never run before this script's next GPU session)
+timeout --kill-after=10 120 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py >&2 || status=$?
 timeout --kill-after=10 200 "$PYTHON" -m benchmarks.bench_gpu "$@" | tee benchmarks/out/gpu_check.md || status=$?
 # 1.6 GB of state, 0.3 s steps on an H200 (batch 16384), a save every 10 steps: 6 saves per fit, 4 of them in
 # the steady windows (not a fit's first interval, nor its last with the wait for the last save).
