@@ -10,6 +10,10 @@
 # into benchmarks/RESULTS.md.
 #
 #     benchmarks/gpu_check.sh [--quick] [any option of: python -m benchmarks.bench_gpu --help]
+#
+# On a machine whose python3 has CUDA torch, Lightning, nvidia-ml-py, xxhash and fsspec already (as the H200 lent
+# on 2026-12-04 had): PYTHON=python3 PYTHONPATH=$PWD benchmarks/gpu_check.sh. Without zlib-ng there, a name's
+# CRC-32s are zlib's (about 10x slower); its wheel can be installed next to the others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
