@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.rng import capture_rng, restore_rng
 from resilience.staging import PINNED, HostStager
 
 pytestmark = pytest.mark.skipif(
@@ -92,3 +93,16 @@ def test_a_gpu_state_saved_then_changed_loads_back_onto_the_gpu_as_it_was_at_the
     fresh_optimizer.load_state_dict(restored.state["optim"])  # type: ignore[arg-type]
     assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"].cpu(), moments)
     assert context_is_sound()
+
+
+def test_the_gpu_generators_are_captured_and_restored() -> None:
+    torch.cuda.manual_seed_all(7)
+    torch.randn(3, device="cuda")
+    state = capture_rng()
+    assert len(state["cuda"]) == torch.cuda.device_count()
+    drawn = torch.randn(1000, device="cuda").cpu()
+    dropout = torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5).cpu()
+    torch.randn(10, device="cuda")
+    restore_rng(state)
+    assert torch.equal(torch.randn(1000, device="cuda").cpu(), drawn)
+    assert torch.equal(torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5).cpu(), dropout)
