@@ -154,6 +154,8 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, args.out)
     print(f"FINISHED {trainer.global_step} {trainer.current_epoch}", flush=True)  # one write: ranks share stdout
+    if torch.distributed.is_initialized():  # Lightning leaves the group up; its gloo threads once aborted the exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
