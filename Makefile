@@ -19,7 +19,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # loadfile: a module's tests on one worker, so its module-scoped fixtures (reference runs of real trainings)
-# are made once, not on both: 12.4 min against 13.5 for worksteal on 2 cores (2026-12-04).
+# are made once, not on both. One run each on 2 cores (2026-12-04): 12.4 min, against 14.3 for worksteal
+# (about 13.5 without a flaky test's 60 s timeout in that run).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=25
 
