@@ -253,8 +253,8 @@ class SharedTensors(Mapping[str, torch.Tensor]):
 SEGMENTS: dict[int, str] = {}
 # Page-locked (cudaHostRegister) segment mappings by data pointer, each held here until it is unregistered: the
 # driver must see cudaHostUnregister before the memory is unmapped, or it keeps the old registration for that
-# address range and a later mapping there is taken for it (on an H200, after one fit's buffers were freed
-# registered, the next fit failed with "resource already mapped").
+# address range and a later mapping there is taken for it (on an H200, once a fit's buffers had been freed
+# registered, a later fit in the same process failed with "resource already mapped").
 PINNED: dict[int, torch.Tensor] = {}
 
 
