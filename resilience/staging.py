@@ -251,10 +251,9 @@ class SharedTensors(Mapping[str, torch.Tensor]):
 # Named shared-memory segments behind staging buffers, by the buffer's data pointer: a helper process maps them
 # by name. They live as long as their buffers (the stager unlinks them when it drops a buffer).
 SEGMENTS: dict[int, str] = {}
-# Page-locked (cudaHostRegister) segment mappings by data pointer, each held here until it is unregistered: the
-# driver must see cudaHostUnregister before the memory is unmapped, or it keeps the old registration for that
-# address range and a later mapping there is taken for it (on an H200, once a fit's buffers had been freed
-# registered, a later fit in the same process failed with "resource already mapped").
+# Page-locked (cudaHostRegister) segment mappings by data pointer, each held here until it is unregistered:
+# registered memory must be unregistered before it is unmapped. Without that (on an H200, once a fit's buffers
+# had been freed while registered), a later fit in the same process failed with "resource already mapped".
 PINNED: dict[int, torch.Tensor] = {}
 
 
