@@ -110,9 +110,13 @@ class Net(pl.LightningModule):
         super().__init__()
         self.width, self.batch = width, batch  # batch: the rows of each step's data (the compute per step)
         self.accelerator = accelerator
-        self.device_data = accelerator == "gpu"
         self._input: torch.Tensor | None = None
         self.net = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+    @property
+    def device_data(self) -> bool:
+        """Each step's input is made once on the device, not loaded."""
+        return self.accelerator == "gpu"
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if not self.device_data:
