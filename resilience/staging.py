@@ -292,8 +292,7 @@ def _shared_buffer(shape: Sequence[int], dtype: torch.dtype, *, pin: bool) -> to
     if pin and buffer.numel():
         error = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(error) != 0:
-            SEGMENTS.pop(buffer.data_ptr())
-            release_segment(name)
+            _release(buffer)  # not registered: only its segment goes
             raise RuntimeError(
                 f"cudaHostRegister refused to page-lock a staging buffer ({error}): set pin_memory=False"
             )
