@@ -273,8 +273,8 @@ class RecordingCudart:
 
 
 def test_a_page_locked_shared_buffer_is_unregistered_before_its_memory_is_unmapped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Freed while registered, a mapping leaves the driver a stale record for its addresses, and the next buffer
-    mapped there fails to copy; the registration holds the mapping until it is undone."""
+    """Registered memory must be unregistered before it is unmapped (on an H200, buffers freed while registered
+    made a later fit fail with "resource already mapped"); the registration holds the mapping until then."""
     cudart = RecordingCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: cudart.calls.append(("synchronize", 0)))
