@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import fsspec
@@ -128,6 +128,16 @@ class Tier:
         """Make ``path`` appear whole, and only if it does not exist yet (``FileExistsError`` otherwise)."""
         raise NotImplementedError
 
+    def write_replace(self, path: str, data: bytes) -> None:
+        """Make ``path`` hold ``data``, replacing what it held; a reader sees the old bytes or the new, never a
+        part (one PUT on object stores). For small records a single writer rewrites (beats, writer markers)."""
+        self.fs.pipe_file(path, data)
+
+    def forget(self, path: str) -> None:
+        """Drop what the filesystem object remembers of listings under ``path`` (s3fs caches them), so that the
+        next listing sees what other processes wrote since."""
+        self.fs.invalidate_cache(path)
+
     def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
         """Copy a local file here; ``callback`` (fsspec's) hears of the bytes as they go, where the backend tells."""
         self.fs.put_file(local_path, path, callback=callback or DEFAULT_CALLBACK)
@@ -230,6 +240,9 @@ class LocalTier(Tier):
     def write_exclusive(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         write_local_exclusive(path, data, fsync=fsync)
 
+    def write_replace(self, path: str, data: bytes) -> None:
+        replace_local(path, data)
+
     def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         super().put_file(local_path, path, callback)
@@ -303,6 +316,12 @@ class DurableTier(Tier):
         else:
             self.fs.pipe_file(path, data, mode="create")
 
+    def write_replace(self, path: str, data: bytes) -> None:
+        if self.is_local:
+            replace_local(path, data)
+        else:
+            super().write_replace(path, data)
+
     def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
         if self.is_local:  # object stores have no directories; a local destination needs its parent
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -329,6 +348,17 @@ class DurableTier(Tier):
 
 
 def write_local_exclusive(path: str, data: bytes, *, fsync: bool) -> None:
+    # link() fails if the target exists, unlike rename(): a committed manifest is never replaced.
+    _place_local(path, data, fsync=fsync, place=os.link)
+
+
+def replace_local(path: str, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path`` (atomic on POSIX)."""
+    _place_local(path, data, fsync=False, place=os.replace)
+
+
+def _place_local(path: str, data: bytes, *, fsync: bool, place: Callable[[str, str], None]) -> None:
+    """Write a temporary file beside ``path`` and ``place`` it there, so ``path`` never holds a part of ``data``."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -338,8 +368,7 @@ def write_local_exclusive(path: str, data: bytes, *, fsync: bool) -> None:
             if fsync:
                 handle.flush()
                 os.fsync(handle.fileno())
-        # link() fails if the target exists, unlike rename(): a committed manifest is never replaced.
-        os.link(tmp, path)
+        place(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

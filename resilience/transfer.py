@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fsspec.callbacks import Callback
 
-from resilience.errors import describe
+from resilience.errors import CheckpointError, describe
 from resilience.layout import MANIFEST
 from resilience.manifest import FileEntry
 from resilience.storage import Tier
@@ -23,6 +24,7 @@ from resilience.storage import Tier
 log = logging.getLogger(__name__)
 
 OnRetry = Callable[[str, int, BaseException], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,14 @@ class RetryPolicy:
     backoff_s: float = 0.5
 
 
-def retrying(name: str, action: Callable[[], None], policy: RetryPolicy, on_retry: OnRetry | None = None) -> None:
-    """Run one transfer until it succeeds; errors a retry cannot fix (missing file, no permission) end it at once."""
+def retrying(name: str, action: Callable[[], T], policy: RetryPolicy, on_retry: OnRetry | None = None) -> T:
+    """Run one transfer until it succeeds and return its result; errors a retry cannot fix (missing file, no
+    permission, a refusal of the engine's own) end it at once."""
     attempt = 0
     while True:
         try:
-            action()
-            return
-        except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError):
+            return action()
+        except (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, CheckpointError):
             raise
         except Exception as exc:
             attempt += 1
@@ -120,7 +122,9 @@ def commit_durable(
             durable.write_exclusive(path, manifest)
         except FileExistsError:
             # An earlier attempt (ours, or the client library's after a timeout) landed but its response was
-            # lost. The manifest holds this upload's own timings, so equal bytes mean it is ours.
+            # lost. The manifest holds this upload's own timings, so equal bytes mean it is ours. (A listing the
+            # filesystem object remembers from before that write would say the file is not there.)
+            durable.forget(path)
             if durable.read_bytes(path) != manifest:
                 raise
 
