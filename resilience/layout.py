@@ -8,12 +8,13 @@ A tier (the local root, or the durable URL) holds::
         state.json                 the non-tensor skeleton of the shared state
         packs.json                 where each packed small tensor lies in the __packs__/<i> DCP entries
         rank-<r>.json              each rank's own state (RNG, data position)
-        .writer.json               who is writing it (until the commit; never uploaded)
+        .writer.json               who is writing it, until the commit (in the durable tier: who uploads it)
         .proof-<rank>.json         what rank r hashed at commit, with inode and times (local tier, never uploaded)
         manifest.json              the commit record, written last
     quarantine/step-<N>-<time>/    local copies found corrupt (never deleted automatically)
     superseded/step-<N>-<time>/    local checkpoints of an abandoned branch (a resume from an older step)
-    .owners/<host>.<pid>.<id>.json one record per live job that writes to this root
+    .owners/<host>.<pid>.<id>.json one record per live job that writes to this root (local tier)
+    .lease/<generation>.json|.beat who may write to this URL, and its beat (durable tier; resilience/lease.py)
 
 Readers never need anything but the step directories and their manifests.
 """
@@ -35,6 +36,7 @@ PROOF_PREFIX = ".proof-"
 QUARANTINE_DIR = "quarantine"
 SUPERSEDED_DIR = "superseded"
 OWNERS_DIR = ".owners"
+LEASE_DIR = ".lease"
 PROBE_PREFIX = ".write-probe-"
 # Suffixes given to a durable manifest that is taken out of discovery (renaming the prefix would copy it all).
 CORRUPT_MANIFEST = MANIFEST + ".corrupt-"

@@ -56,6 +56,7 @@ from resilience.layout import (
     aside_name,
     rank_prefix,
 )
+from resilience.lease import Lease, Tenancy
 from resilience.loader import Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
 from resilience.packing import PackLayout
@@ -124,6 +125,9 @@ class CheckpointManager:
         self.exit_timeout_s: float | None = None  # how long the process exit waits for saves (None: until done)
         self._branch_from: int | None = None
         self._owners = Owners(self.local.root)
+        self._tenancy: Tenancy | None = None  # the owner record and durable lease held, and their heartbeat
+        self._lease: Lease | None = None  # rank 0's, once claimed
+        self.lease_token: str | None = None  # names this job in the durable lease (rank 0's owner), on every rank
         self._known_steps: set[int] = self._startup_checks()
         # names this job's incarnation among others on the same root (liveness records, survivor notes)
         self.job_token: str = self.groups.control.decide(lambda: uuid.uuid4().hex[:12])
@@ -203,6 +207,8 @@ class CheckpointManager:
         if isinstance(self.pipeline, HelperPipeline) and not self._resting:
             self.pipeline.close()
             self._resting = True
+            if self._tenancy is not None:
+                self._tenancy.pause()  # no thread of the pack runs while it rests
         return True
 
     def _check_helpers(self) -> None:
@@ -269,17 +275,24 @@ class CheckpointManager:
                     return
                 others = self._owners.live_others()
                 if others:
-                    other = others[0]
-                    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(other.since))
                     raise ConfigError(
-                        f"local_root {self.local.root} is in use by another live job (pid {other.pid} on "
-                        f"{other.host}, since {since}): two jobs writing one root would destroy each other's "
-                        "saves. Give this job its own local_root (and durable_url), or stop the other one"
+                        f"local_root {self.local.root} is in use by another live job ({others[0].describe()}): two "
+                        "jobs writing one root would destroy each other's saves. Give this job its own local_root "
+                        "(and durable_url), or stop the other one"
                     )
                 self._owners.register(owner)
                 self._clear_leftovers()
 
             self.groups.control.agree(own)
+            try:
+                self.lease_token = self.groups.control.decide(lambda: self._take_lease(owner))
+            except BaseException:
+                if self.is_local_leader:
+                    self._owners.unregister(owner)
+                owner.release()
+                raise
+            self._tenancy = Tenancy(self._owners if self.is_local_leader else None, owner, self._lease)
+            self._tenancy.heart.start()
             self.owner = owner
             self.run_id = chosen
         self._check_lineage(resumed_from)  # collective: every rank takes the same branch
@@ -287,6 +300,15 @@ class CheckpointManager:
         if resumed_from is not None:
             self._handles = {s: h for s, h in self._handles.items() if s <= resumed_from}
         return self.run_id
+
+    def _take_lease(self, owner: Owner) -> str:
+        """Rank 0: hold the durable URL for this job, or refuse to start where another live job writes to it.
+        Returns the token the lease names this job by."""
+        if self.durable is not None:
+            lease = Lease(self.durable, owner)
+            lease.acquire()
+            self._lease = lease
+        return owner.token
 
     def _clear_leftovers(self) -> None:
         """Remove uncommitted step directories whose writer is gone; a later save may need the name."""
@@ -431,6 +453,8 @@ class CheckpointManager:
                 "never overwritten. Save under a new step, or point local_root/durable_url at a new run directory"
             )
         if self._resting:
+            if self._tenancy is not None:
+                self.groups.control.agree(self._tenancy.resume)  # every rank stops if what it held was taken
             self._resting = False
             self._helper_generation += 1  # a new group of helpers
             self.pipeline = self._start_pipeline()
@@ -511,8 +535,6 @@ class CheckpointManager:
             handle.staged.set_result(None)
         block_s = time.monotonic() - t0
         handle.timings["block_s"] = block_s
-        if self.owner is not None and self.is_local_leader:
-            self._owners.touch(self.owner)
         with self._lock:
             self._known_steps.add(step)
         self._handles[step] = handle
@@ -859,6 +881,8 @@ class CheckpointManager:
         # a reader in another process maps the buffers by name, which closing the stager unlinks
         concurrent.futures.wait([loan.returned for loan in self._lent()], timeout)
         self._stager.close()
+        if self._tenancy is not None:
+            self._tenancy.end()
         if self.owner is not None:
             if self.is_local_leader:
                 self._owners.unregister(self.owner)
@@ -888,6 +912,8 @@ class CheckpointManager:
         else:
             self.pipeline.close(0)  # writer threads stuck in a collective with a lost rank are left to fail
         self._stager.close()
+        if self._tenancy is not None:
+            self._tenancy.pause()  # the lease stays: a restart in place takes it over as the same run
         if self.owner is not None:
             if self.is_local_leader:
                 with contextlib.suppress(OSError):

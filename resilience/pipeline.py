@@ -29,13 +29,23 @@ from resilience.dcp_write import PiecePlanner, RecordingWriter, versions
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
-from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, WRITER_FILE, rank_state_file
+from resilience.fencing import DurableGuard, foreign_steps
+from resilience.layout import (
+    DCP_METADATA,
+    LEASE_DIR,
+    MANIFEST,
+    PACKS_FILE,
+    STATE_FILE,
+    WRITER_FILE,
+    rank_state_file,
+    step_dirname,
+)
 from resilience.manifest import FileEntry, Manifest
 from resilience.retention import steps_to_delete
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier, fsync_dir
-from resilience.transfer import OnRetry, RetryPolicy, commit_durable, upload_files
+from resilience.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
 from resilience.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -107,6 +117,11 @@ class Pipeline:
         self.errors: list[CheckpointError] = []
         self._errors_lock = threading.Lock()
         self._uploading: set[int] = set()
+        self._guard = DurableGuard(durable) if durable is not None else None
+        # whose saves these are (from the save jobs: the pipeline may run in a helper): retention keeps to this
+        # run's steps, and the durable tier is changed only while this job (its owner's token) holds the lease
+        self._run_id: str | None = None
+        self._writer: dict[str, Any] | None = None
         self._writes = Worker("resilience-writer", self._write_next)
         self._uploads = Worker("resilience-uploader", self._upload_next)
 
@@ -147,6 +162,7 @@ class Pipeline:
 
     def _write(self, job: WriteJob) -> None:
         step, handle = job.step, job.handle
+        self._run_id, self._writer = job.run_id, job.writer
         local_dir = self.local.step_path(step)
         try:
             # The directory must be new (or this job's own), decided before any rank writes into it.
@@ -314,19 +330,27 @@ class Pipeline:
         t0 = time.monotonic()
         mine = [entry for entry in job.manifest.files if entry.rank == self.rank]
         try:
+            self.upload_channel.decide(
+                lambda: self._guarded(step, "the upload", lambda guard, writer: guard.open_step(step, writer))
+            )
             self.upload_channel.agree(lambda: self._upload_files(step, mine))
         except Exception as exc:
-            error = CheckpointError(f"Uploading the checkpoint failed: {describe(exc)}", step=step, tier="durable")
+            error = CheckpointError(f"Uploading the checkpoint failed: {_why(exc)}", step=step, tier="durable")
             self._fail_durable(job, error)
             return
         manifest = replace(job.manifest, timings={**job.manifest.timings, "upload_s": time.monotonic() - t0})
+
+        def commit() -> None:
+            self._guarded(step, "the commit", lambda guard, _: guard.check_uploaded(step, manifest))
+            commit_durable(durable, step, manifest.to_json(), self._policy, self._on_retry(step))
+            if self._guard is not None:
+                self._guard.close_step(step)
+
         try:
-            self.upload_channel.decide(
-                lambda: commit_durable(durable, step, manifest.to_json(), self._policy, self._on_retry(step))
-            )
+            self.upload_channel.decide(commit)
         except Exception as exc:
             error = CheckpointError(
-                f"Committing the upload failed: {describe(exc)}", step=step, tier="durable", path=MANIFEST
+                f"Committing the upload failed: {_why(exc)}", step=step, tier="durable", path=MANIFEST
             )
             self._fail_durable(job, error)
             return
@@ -336,6 +360,18 @@ class Pipeline:
         self.events.emit("durable_commit", step, bytes=manifest.total_bytes, upload_s=upload_s)
         if self.rank == 0:
             self._apply_retention(durable, protect={step})
+
+    def _guarded(self, step: int, what: str, then: Callable[[DurableGuard, dict[str, Any]], None]) -> None:
+        """Rank 0, before it changes the durable tier: this job must still hold the durable URL; then ``then``
+        (both retried like transfers). Without a writer (no owner: a pipeline driven by hand), nothing is checked.
+        """
+        guard, writer = self._guard, self._writer
+        if guard is None or writer is None:
+            return
+        token = str(writer.get("token"))
+        on_retry = self._on_retry(step)
+        retrying(LEASE_DIR, lambda: guard.check_held(token, f"{what} of step {step}"), self._policy, on_retry)
+        retrying(step_dirname(step), lambda: then(guard, writer), self._policy, on_retry)
 
     def _upload_files(self, step: int, entries: list[FileEntry]) -> None:
         assert self.durable is not None
@@ -367,6 +403,11 @@ class Pipeline:
     # ---- shared ----------------------------------------------------------------------------------------------
 
     def _apply_retention(self, tier: Tier, protect: set[int]) -> None:
+        """Delete what the policy lets go of this run's steps (never another run's: :mod:`resilience.fencing`);
+        in the durable tier only while this job holds the URL, checked before each deletion."""
+        run_id, writer = self._run_id, self._writer
+        if run_id is None:
+            return  # nothing saved through this pipeline yet: no run to keep to
         try:
             protect = protect | set(self._protected_steps())
             entries = scan(tier)
@@ -376,9 +417,12 @@ class Pipeline:
                 keep_last=self.config.keep_last,
                 keep_every=self.config.keep_every,
                 protected=protect,
+                foreign=foreign_steps(tier, entries, run_id),
             )
             paths = {e.step: e.path for e in entries}
             for step in doomed:
+                if tier is self.durable and self._guard is not None and writer is not None:
+                    self._guard.check_held(str(writer.get("token")), f"deleting step {step}")
                 remove_checkpoint(tier, paths[step])
                 self.events.emit("deleted", step, tier=tier.name)
         except Exception as exc:  # retention must never fail a save
@@ -400,8 +444,12 @@ def remove_checkpoint(tier: Tier, path: str) -> None:
 
 
 def _write_error(exc: BaseException, step: int, local_dir: str) -> CheckpointError:
-    why = str(exc) if type(exc) is CheckpointError else describe(exc)
-    return CheckpointError(f"Writing the checkpoint failed: {why}", step=step, tier="local", path=local_dir)
+    return CheckpointError(f"Writing the checkpoint failed: {_why(exc)}", step=step, tier="local", path=local_dir)
+
+
+def _why(exc: BaseException) -> str:
+    """An error's own words when the engine raised it for a reason of its own; else its type and first line."""
+    return str(exc) if type(exc) is CheckpointError else describe(exc)
 
 
 def _space_hint(directory: str, need: int) -> str:

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from resilience import packing, proofs
 from resilience.errors import CheckpointError, describe
+from resilience.fencing import DurableGuard
 from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, rank_prefix, rank_state_file
 from resilience.loader import MetadataUnpickler
 from resilience.manifest import FileEntry, Manifest, hash_stream
@@ -395,9 +396,11 @@ def _commit(
     if manager.config.fsync:
         fsync_dir(step_dir)
     manager.local.write_exclusive(f"{step_dir}/{MANIFEST}", manifest.to_json(), fsync=manager.config.fsync)
-    if manager.durable is not None:
+    if manager.durable is not None and manager.owner is not None and manager.lease_token is not None:
         with contextlib.suppress(Exception):  # the local commit stands; a relaunch can upload it
             policy = RetryPolicy(manager.config.upload_retries, manager.config.upload_backoff_s)
+            guard, token = DurableGuard(manager.durable), manager.lease_token  # only while this job holds the URL
+            guard.open_step(step, {**manager.owner.to_json(), "token": token})
             upload_files(
                 manager.local,
                 manager.durable,
@@ -406,7 +409,10 @@ def _commit(
                 concurrency=manager.config.upload_concurrency,
                 policy=policy,
             )
+            guard.check_held(token, f"the commit of step {step}")
+            guard.check_uploaded(step, manifest)
             commit_durable(manager.durable, step, manifest.to_json(), policy)
+            guard.close_step(step)
     return {"committed": True}
 
 

@@ -31,8 +31,8 @@ def test_upload_commits_remotely_and_a_fresh_node_resumes_from_the_url(tmp_path:
         for step in (1, 2, 3):
             m.save(step, make_state(step))
             assert m.wait(durable=True)
-    committed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run"))  # type: ignore[attr-defined]
-    assert committed == ["step-2", "step-3"], committed  # retention ran in the durable tier too
+    listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run"))  # type: ignore[attr-defined]
+    assert listed == [".lease", "step-2", "step-3"], listed  # retention ran in the durable tier too
     remote = json.loads(fs.cat_file("ckpt-bucket/run/step-3/manifest.json"))  # type: ignore[attr-defined]
     assert remote["timings"]["upload_s"] >= 0 and remote["step"] == 3
     assert "testing" not in json.dumps(remote), "credentials must never reach a manifest"
@@ -84,7 +84,7 @@ def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
         assert third.durable.result(60) and first.durable.result(60)
         assert second.durable.result(60) is None, "step 2 was superseded by step 3 while step 1 uploaded"
     fs = s3["fs"]
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run")) == ["step-1", "step-3"]  # type: ignore[attr-defined]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ckpt-bucket/run")) == [".lease", "step-1", "step-3"]  # type: ignore[attr-defined]
     assert any(e["event"] == "upload_skipped" and e["step"] == 2 for e in events)
 
 
