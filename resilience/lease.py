@@ -195,6 +195,15 @@ class Lease:
         if self.generation is not None and not self.lost and self.held():
             self._write_beat(self.generation, released=True)
 
+    def renew(self) -> None:
+        """Hold the lease again after :meth:`release` (a rest): still the newest generation, take it back;
+        else judge whoever took it, as :meth:`acquire` does."""
+        if self.generation is not None and not self.lost and self.held():
+            self._write_beat(self.generation, released=False)
+            return
+        self.lost = False
+        self.acquire()
+
 
 class Fence:
     """The uploader's check that its job still holds the lease, before every change to the durable tier.
@@ -245,22 +254,21 @@ class Tenancy:
         jobs = ([lambda: owners.beat(owner)] if owners is not None else []) + ([lease.beat] if lease else [])
         self.heart = Heartbeat(jobs)
 
-    def pause(self) -> None:
-        """Stop beating (an engine at rest has no thread): a job elsewhere may then take the root or URL."""
+    def pause(self, *, release: bool) -> None:
+        """Stop beating (an engine at rest has no thread); with ``release``, let another job take the URL at
+        once: a resting engine is not training (Lightning's after ``fit()``), and may never save again."""
         self.heart.stop()
+        if release and self.lease is not None:
+            with contextlib.suppress(Exception):
+                self.lease.release()
 
     def resume(self) -> None:
-        """Beat again after a rest, unless what this job held was taken meanwhile (then raise)."""
-        if self.lease is not None and not self.lease.held():
-            raise CheckpointError(
-                f"durable_url {self.lease.tier.url} was taken over by another job while this engine rested: "
-                "two jobs must not share a durable_url"
-            )
+        """Hold the root and the URL again after a rest, and beat: what another job took meanwhile is judged as
+        at start-up (a live job that holds it now stops this one with :class:`ConfigError`)."""
+        if self.lease is not None:
+            self.lease.renew()
         if self.owners is not None and not self.owners.registered(self.owner):
-            raise CheckpointError(
-                f"another job took this job's local root ({self.owners.directory}) for abandoned while this engine "
-                "rested: two jobs must not share a local_root"
-            )
+            self.owners.claim(self.owner)
         self.heart.start()
 
     def end(self) -> None:

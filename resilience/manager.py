@@ -208,7 +208,7 @@ class CheckpointManager:
             self.pipeline.close()
             self._resting = True
             if self._tenancy is not None:
-                self._tenancy.pause()  # no thread of the pack runs while it rests
+                self._tenancy.pause(release=True)  # no thread of the pack runs while it rests
         return True
 
     def _check_helpers(self) -> None:
@@ -264,42 +264,58 @@ class CheckpointManager:
         never saves. Returns the run id (``run_id``: continue that run). :meth:`save` calls it with the step
         last restored if nobody did.
         """
-        if self.run_id is None:
-            restored = self._restored if self._restored is not None and self._restored.step == resumed_from else None
-            proposed = run_id or (restored.manifest.run_id if restored is not None else None) or uuid.uuid4().hex[:16]
-            chosen = self.groups.control.decide(lambda: proposed)
-            owner = Owner.me(chosen)
-
-            def own() -> None:
-                if not self.is_local_leader:
-                    return
-                others = self._owners.live_others()
-                if others:
-                    raise ConfigError(
-                        f"local_root {self.local.root} is in use by another live job ({others[0].describe()}): two "
-                        "jobs writing one root would destroy each other's saves. Give this job its own local_root "
-                        "(and durable_url), or stop the other one"
-                    )
-                self._owners.register(owner)
-                self._clear_leftovers()
-
-            self.groups.control.agree(own)
-            try:
-                self.lease_token = self.groups.control.decide(lambda: self._take_lease(owner))
-            except BaseException:
-                if self.is_local_leader:
-                    self._owners.unregister(owner)
-                owner.release()
-                raise
-            self._tenancy = Tenancy(self._owners if self.is_local_leader else None, owner, self._lease)
-            self._tenancy.heart.start()
-            self.owner = owner
-            self.run_id = chosen
-        self._check_lineage(resumed_from)  # collective: every rank takes the same branch
+        first = self.run_id is None
+        if first:
+            self._take_root_and_url(resumed_from, run_id)
+        try:
+            self._check_lineage(resumed_from)  # collective: every rank takes the same branch
+        except BaseException:
+            if first:
+                self._disown()  # refused: this job holds nothing, and its next save is refused the same way
+            raise
         self._branch_from = resumed_from
         if resumed_from is not None:
             self._handles = {s: h for s, h in self._handles.items() if s <= resumed_from}
+        assert self.run_id is not None
         return self.run_id
+
+    def _take_root_and_url(self, resumed_from: int | None, run_id: str | None) -> None:
+        """Choose the run id, own the local root (leftovers of dead writers cleared) and hold the durable URL;
+        start the heartbeat that shows both alive. Collective; on failure nothing is left held."""
+        restored = self._restored if self._restored is not None and self._restored.step == resumed_from else None
+        proposed = run_id or (restored.manifest.run_id if restored is not None else None) or uuid.uuid4().hex[:16]
+        chosen = self.groups.control.decide(lambda: proposed)
+        owner = self.owner = Owner.me(chosen)
+
+        def own() -> None:
+            if self.is_local_leader:
+                self._owners.claim(owner)
+                self._clear_leftovers()
+
+        try:
+            self.groups.control.agree(own)
+            self.lease_token = self.groups.control.decide(lambda: self._take_lease(owner))
+        except BaseException:
+            self._disown()
+            raise
+        self._tenancy = Tenancy(self._owners if self.is_local_leader else None, owner, self._lease)
+        self._tenancy.heart.start()
+        self.run_id = chosen
+
+    def _disown(self) -> None:
+        """Undo a refused claim: nothing held, and no run id (the next save claims, and is refused, again)."""
+        self._let_go()
+        self._tenancy = self._lease = self.owner = None
+        self.lease_token = self.run_id = None
+
+    def _let_go(self) -> None:
+        """Stop the heartbeat, release the durable lease, remove the owner record (a job that writes no more)."""
+        if self._tenancy is not None:
+            self._tenancy.end()
+        if self.owner is not None:
+            if self.is_local_leader:
+                self._owners.unregister(self.owner)
+            self.owner.release()
 
     def _take_lease(self, owner: Owner) -> str:
         """Rank 0: hold the durable URL for this job, or refuse to start where another live job writes to it.
@@ -454,7 +470,7 @@ class CheckpointManager:
             )
         if self._resting:
             if self._tenancy is not None:
-                self.groups.control.agree(self._tenancy.resume)  # every rank stops if what it held was taken
+                self.groups.control.agree(self._tenancy.resume)  # every rank stops if a live job took it
             self._resting = False
             self._helper_generation += 1  # a new group of helpers
             self.pipeline = self._start_pipeline()
@@ -881,12 +897,7 @@ class CheckpointManager:
         # a reader in another process maps the buffers by name, which closing the stager unlinks
         concurrent.futures.wait([loan.returned for loan in self._lent()], timeout)
         self._stager.close()
-        if self._tenancy is not None:
-            self._tenancy.end()
-        if self.owner is not None:
-            if self.is_local_leader:
-                self._owners.unregister(self.owner)
-            self.owner.release()
+        self._let_go()
         # The gloo groups stay until the job's own destroy_process_group(): destroying them here could tear
         # connections down under a peer that is still finishing its last collective.
         if not finished:
@@ -913,7 +924,7 @@ class CheckpointManager:
             self.pipeline.close(0)  # writer threads stuck in a collective with a lost rank are left to fail
         self._stager.close()
         if self._tenancy is not None:
-            self._tenancy.pause()  # the lease stays: a restart in place takes it over as the same run
+            self._tenancy.pause(release=False)  # a restart in place takes the lease over as the same run
         if self.owner is not None:
             if self.is_local_leader:
                 with contextlib.suppress(OSError):

@@ -26,6 +26,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
 from resilience import beats
+from resilience.errors import ConfigError
 from resilience.layout import OWNERS_DIR
 from resilience.storage import replace_local
 
@@ -203,6 +204,18 @@ class Owners:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.directory, name))
         return found
+
+    def claim(self, owner: Owner) -> None:
+        """Register ``owner``, or raise :class:`ConfigError` naming the live job that owns the root."""
+        others = self.live_others()
+        if others:
+            root = os.path.dirname(self.directory)
+            raise ConfigError(
+                f"local_root {root} is in use by another live job ({others[0].describe()}): two jobs writing one "
+                "root would destroy each other's saves. Give this job its own local_root (and durable_url), or "
+                "stop the other one"
+            )
+        self.register(owner)
 
     def _path(self, owner: Owner) -> str:
         return os.path.join(self.directory, f"{owner.id}.{owner.token}.json")

@@ -7,6 +7,7 @@ checked one by one, in process, against real files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,6 +57,24 @@ def manager(local: Path, url: str, options: dict[str, object] | None = None, **k
 def stranger(run_id: str = "otherrun", *, machine: str = "another-machine") -> Owner:
     """An owner on another machine: its pid cannot be looked up here, only its beat watched."""
     return Owner("elsewhere", 4242, None, run_id, time.time() - 3600, machine=machine)
+
+
+@contextlib.contextmanager
+def beating(lease: Lease) -> Iterator[None]:
+    """``lease``'s holder lives meanwhile: its beat moves every ``BEAT_S``, as its heartbeat would move it."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(beats.BEAT_S):
+            lease.beat()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def durable_steps(tier: DurableTier) -> dict[int, Manifest]:
@@ -237,26 +256,33 @@ def test_a_live_holder_on_another_machine_is_seen_by_its_beat(tmp_path: Path) ->
     tier = DurableTier(url)
     other = Lease(tier, stranger())
     other.acquire()
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(beats.BEAT_S):
-            other.beat()
-
-    thread = threading.Thread(target=beat)
-    thread.start()
-    try:
-        with manager(tmp_path / "a", url) as m, pytest.raises(ConfigError, match="in use by another live job"):
-            m.save(1, state(1))
-    finally:
-        stop.set()
-        thread.join()
+    with beating(other), manager(tmp_path / "a", url) as m, pytest.raises(ConfigError, match="in use by another live"):
+        m.save(1, state(1))
     assert generations(tier) == [1] and not (tmp_path / "shared" / "step-1").exists()
     other.release()
     with manager(tmp_path / "b", url) as m:  # released: taken at once
         m.save(1, state(1))
         assert m.wait(durable=True)
     assert read_beat(tier, 2)[1], "a closed job releases its lease"
+
+
+def test_a_resting_engine_lets_the_url_go_and_takes_it_back_at_its_next_save(tmp_path: Path) -> None:
+    """At rest (Lightning's engine after ``fit()``) no thread beats, so the lease is released; the next save
+    takes it back, judging whoever holds it then like a job that starts."""
+    url = f"file://{tmp_path / 'shared'}"
+    tier = DurableTier(url)
+    with manager(tmp_path / "a", url, persist="process") as m:
+        m.save(1, state(1))
+        assert m.wait(durable=True) and m.rest()
+        assert read_beat(tier, 1)[1], "released at rest"
+        other = Lease(tier, stranger())
+        other.acquire()  # taken at once
+        with beating(other), pytest.raises(ConfigError, match="in use by another live job"):
+            m.save(2, state(2))
+        other.release()
+        handle = m.save(2, state(2))
+        assert handle is not None and handle.durable.result(60) is not None
+    assert generations(tier) == [1, 2, 3] and sorted(durable_steps(tier)) == [1, 2]
 
 
 # ---- fencing ------------------------------------------------------------------------------------------------
