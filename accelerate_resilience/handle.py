@@ -434,6 +434,6 @@ def attach(
         plugin: Settings; default ``ResiliencePlugin()``, i.e. all from ``ACCELERATE_RESILIENCE_*``.
         dataloader: The training loader whose position resume() reports (default: the first one prepared).
         health: Health-monitoring settings; giving them turns monitoring on (as ``plugin.health`` does with
-            the defaults: NVML on CUDA, SIGTERM/SIGUSR1 as preemption, the hang watchdog).
+            the defaults: NVML on CUDA, SIGTERM/SIGINT/SIGUSR1 as preemption, the hang watchdog).
     """
     return ResilienceHandle(accelerator, plugin if plugin is not None else ResiliencePlugin(), dataloader, health)

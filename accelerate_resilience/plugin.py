@@ -26,8 +26,8 @@ _ENGINE_NAMES = {"span_s": "goodput_span_s", "window_steps": "data_window_steps"
 
 # The fields' documentation is the engine configs' (resilience.docstrings); what differs here is said here.
 _OWN = {
-    "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a fault or "
-    "signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
+    "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a "
+    "fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
     "goodput": "Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went, across "
     "restarts. Only the main process writes it.",
 }

@@ -46,7 +46,16 @@ from resilience.goodput import (
 )
 from resilience.goodput.ledger import COMPLETED, incarnation_start, ledger_dir
 from resilience.goodput.summary import GoodputSummary, summarize
-from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard, Kind, Severity
+from resilience.health import (
+    Decision,
+    EmergencySave,
+    FaultEvent,
+    HealthConfig,
+    HealthGuard,
+    Kind,
+    Severity,
+    SignalWatcher,
+)
 from resilience.health.faults import GPU_FAULTS
 from resilience.liveness import Notice
 from resilience.loader import Restored
@@ -233,10 +242,13 @@ class TrainingSession:
 
     # ---- components (before start) -----------------------------------------------------------------------------
 
-    def use_health(self, config: HealthConfig, *, nvml: Any = None) -> HealthGuard:
-        """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group)."""
+    def use_health(
+        self, config: HealthConfig, *, nvml: Any = None, signals: SignalWatcher | None = None
+    ) -> HealthGuard:
+        """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group).
+        ``signals``: the adapter's watcher of stop signals, installed before the session existed."""
         if self.guard is None:
-            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_event])
+            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_event], signals=signals)
         return self.guard
 
     def _health_event(self, event: FaultEvent) -> None:

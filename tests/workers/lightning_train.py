@@ -98,16 +98,34 @@ class ShowBest(pl.Callback):
 
 
 class Sleep(pl.Callback):
-    """Slow steps down, so that a test has time to send a signal mid-run."""
+    """Slow steps down, so that a test has time to send a signal mid-run: inside the step, as its compute would
+    take the time, between the batch's fetch and the step's boundary."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def on_train_batch_end(self, *args: object) -> None:
+    def on_train_batch_start(self, *args: object) -> None:
         time.sleep(self.seconds)
 
 
+def slow_down_loads(seconds: float, marker: str) -> None:
+    """Every checkpoint read first leaves ``marker`` and waits ``seconds``: a restore as long as one from S3 on a
+    fresh node, so that a signal can land in it."""
+    from resilience.manager import CheckpointManager
+
+    load_entry = CheckpointManager._load_entry
+
+    def slow(self: CheckpointManager, *args: object, **kwargs: object) -> object:
+        open(marker, "w").close()
+        time.sleep(seconds)
+        return load_entry(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    CheckpointManager._load_entry = slow  # type: ignore[method-assign]
+
+
 def main() -> None:
+    if os.environ.get("TEST_SLOW_LOAD_S"):
+        slow_down_loads(float(os.environ["TEST_SLOW_LOAD_S"]), os.environ["TEST_LOADING_MARKER"])
     if os.environ.get("TEST_SLOW_WRITE_S"):  # each background write first leaves a marker and waits
         os.environ.update(RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="slow_write")
     p = argparse.ArgumentParser()
