@@ -85,3 +85,16 @@ def test_signal_names_and_numbers() -> None:
     assert parse_signal(str(int(signal.SIGINT))) is signal.SIGINT
     with pytest.raises(ConfigError, match="unknown signal 'SIGFOO'"):
         parse_signal("SIGFOO")
+
+
+def test_a_handler_put_back_after_restore_passes_the_signal_on(previous: list[int]) -> None:
+    """Lightning keeps the handler it found when a fit began and puts it back when the fit ends, after the guard gave
+    its own back: the watcher's handler then acts as the one from before (here a Python handler; for SIG_DFL, the
+    default action)."""
+    watcher = SignalWatcher(["SIGUSR1"], EventLog(rank=0), FaultTable())
+    watcher.install()
+    kept = signal.getsignal(signal.SIGUSR1)
+    watcher.restore()
+    signal.signal(signal.SIGUSR1, kept)  # what Lightning's signal connector does at the end of a fit
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert previous == [signal.SIGUSR1] and watcher.drain() == []

@@ -274,13 +274,18 @@ class HealthGuard:
         self._started = True
         mine = [i for i in self._injections if i.rank in (None, self.rank)]
         unwatched = [i for i in mine if i.fault == "signal" and i.value not in self.signals.signals]
-        if unwatched:
-            raise ConfigError(
-                f"injected {unwatched[0]} is not among the watched signals {[s.name for s in self.signals.signals]}; "
-                "its default action would kill the process instead of stopping it cleanly"
-            )
-        nvml = self._nvml if self._nvml is not None else load_nvml() if self.config.nvml else None
-        simulated = self._simulated(nvml, mine)
+        try:
+            if unwatched:
+                raise ConfigError(
+                    f"injected {unwatched[0]} is not among the watched signals "
+                    f"{[s.name for s in self.signals.signals]}; its default action would kill the process instead "
+                    "of stopping it cleanly"
+                )
+            nvml = self._nvml if self._nvml is not None else load_nvml() if self.config.nvml else None
+            simulated = self._simulated(nvml, mine)
+        except ConfigError:
+            self.close()  # this guard will not run: the signals taken at construction go back
+            raise
         self._injector = FaultInjector(mine, self.rank, simulated)
         self.signals.install()
         self.signals.record()  # training begins: a signal now stops it at the next step boundary, with a save
@@ -321,6 +326,9 @@ class HealthGuard:
         self._closed = True
         if not self._exiting:
             self.signals.restore()
+            # A framework may put the watcher's handler back later (Lightning does at the end of a fit): it then
+            # passes signals on, and must not keep this run's listeners (the session, the Trainer) alive.
+            self.signals.events = EventLog(self.rank)
         if self.monitor is not None:
             self.monitor.close()
         if self.watchdog is not None:

@@ -102,6 +102,7 @@ class SignalWatcher:
         self.recording = exit_code is None
         self._received: collections.deque[tuple[int, float]] = collections.deque()
         self._previous: dict[signal.Signals, Any] = {}
+        self._given_back: dict[signal.Signals, Any] = {}
 
     @property
     def installed(self) -> bool:
@@ -126,9 +127,13 @@ class SignalWatcher:
     def restore(self) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._given_back.update(self._previous)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.installed:  # given back, then put in place again by someone who kept it (Lightning does)
+            self._pass_on(signal.Signals(signum), frame)
+            return
         if not self.recording:
             self._exit_now(signum)
         self._received.append((signum, time.time()))
@@ -136,6 +141,16 @@ class SignalWatcher:
         previous = self._previous.get(signal.Signals(signum))
         if self.chain and callable(previous):
             previous(signum, frame)
+
+    def _pass_on(self, signum: signal.Signals, frame: FrameType | None) -> None:
+        """After :meth:`restore`, a signal goes where it went before the watcher: to the handler given back, or,
+        where that was the default action, to the default action (the process ends by the signal)."""
+        previous = self._given_back.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def _exit_now(self, signum: int) -> NoReturn:
         """Before training: nothing trained is lost, so leave with the preemption code (``SystemExit``, so that
