@@ -55,6 +55,7 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
+from resilience.health.signals import STOP_SIGNALS
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import SegmentRef, StagingJob, attach, segment_of
 from resilience.worker import Worker
@@ -126,9 +127,6 @@ class WriteSpec:
     packs: bytes | None = None
     record_crcs: bool = False
 
-
-# Signals a scheduler, a launcher or a terminal sends to every process of a job to stop it: the helpers ignore them.
-STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 
 CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
 

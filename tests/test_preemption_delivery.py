@@ -103,18 +103,21 @@ def start_lightning(root: Path, *args: str, env: dict[str, str] | None = None) -
 
 
 @pytest.mark.parametrize(
-    ("how", "signum", "workers"),
+    ("how", "signum", "workers", "where"),
     [
-        ("group", signal.SIGTERM, 2),  # torchrun's and a terminal's way; the loader's workers die of it
-        ("every_pid", signal.SIGINT, 0),  # SLURM's way (srun forwards Ctrl-C as SIGINT)
-        pytest.param("every_pid", signal.SIGUSR1, 0, marks=pytest.mark.slow),  # SLURM's --signal=USR1@secs
+        # torchrun's and a terminal's way; the loader's workers get it too, within a step and after its boundary
+        ("group", signal.SIGTERM, 2, "in_step"),
+        ("group", signal.SIGTERM, 2, "after_boundary"),
+        ("every_pid", signal.SIGINT, 0, "in_step"),  # SLURM's way (srun forwards Ctrl-C as SIGINT)
+        pytest.param("every_pid", signal.SIGUSR1, 2, "after_boundary", marks=pytest.mark.slow),  # --signal=USR1
     ],
 )
 def test_lightning_ddp_commits_the_agreed_step_when_every_process_is_signalled(
-    tmp_path: Path, how: str, signum: signal.Signals, workers: int
+    tmp_path: Path, how: str, signum: signal.Signals, workers: int, where: str
 ) -> None:
     loader = ["--workers", str(workers), "--loader", "plain"] if workers else []
-    proc, log = start_lightning(tmp_path, "--step-sleep", "0.3", "--max-steps", "60", *loader)
+    timing = ["--sleep-after-boundary"] if where == "after_boundary" else []
+    proc, log = start_lightning(tmp_path, "--step-sleep", "0.3", "--max-steps", "60", *loader, *timing)
     try:
         wait_for((tmp_path / "ckpt" / "step-8" / "manifest.json").exists, proc, log)
         pids = deliver(proc, how, signum)

@@ -26,8 +26,12 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from resilience.errors import ConfigError
+from resilience.health import loader_workers
 from resilience.health.events import EventLog
 from resilience.health.faults import FaultEvent, FaultTable, Kind
+
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
+"""Signals a scheduler, a launcher or a terminal sends to every process of a job to stop it."""
 
 
 def parse_signal(value: str | int) -> signal.Signals:
@@ -103,6 +107,7 @@ class SignalWatcher:
         self._received: collections.deque[tuple[int, float]] = collections.deque()
         self._previous: dict[signal.Signals, Any] = {}
         self._given_back: dict[signal.Signals, Any] = {}
+        self._pid = os.getpid()
 
     @property
     def installed(self) -> bool:
@@ -115,10 +120,12 @@ class SignalWatcher:
             raise RuntimeError(
                 "signal handlers can only be installed from the main thread: start the health guard there"
             )
+        self._pid = os.getpid()
         for signum in self.signals:
             if signal.getsignal(signum) != self._handle:
                 previous = signal.signal(signum, self._handle)
                 self._previous.setdefault(signum, previous)
+        loader_workers.protect()
 
     def record(self) -> None:
         """Training has begun: from here on a signal is recorded for the next step boundary, which saves."""
@@ -129,8 +136,13 @@ class SignalWatcher:
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._given_back.update(self._previous)
         self._previous.clear()
+        loader_workers.unprotect()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._pid:  # a child forked from the training process: as if nothing were installed
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if not self.installed:  # given back, then put in place again by someone who kept it (Lightning does)
             self._pass_on(signal.Signals(signum), frame)
             return

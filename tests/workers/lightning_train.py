@@ -99,13 +99,19 @@ class ShowBest(pl.Callback):
 
 class Sleep(pl.Callback):
     """Slow steps down, so that a test has time to send a signal mid-run: inside the step, as its compute would
-    take the time, between the batch's fetch and the step's boundary."""
+    take the time, between the batch's fetch and the step's boundary; or, ``after_boundary``, between the
+    boundary and the next fetch, as another callback or validation would."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, *, after_boundary: bool = False) -> None:
+        self.seconds, self.after_boundary = seconds, after_boundary
 
     def on_train_batch_start(self, *args: object) -> None:
-        time.sleep(self.seconds)
+        if not self.after_boundary:
+            time.sleep(self.seconds)
+
+    def on_train_batch_end(self, *args: object) -> None:
+        if self.after_boundary:  # after the pack's callbacks, which come first in the list
+            time.sleep(self.seconds)
 
 
 def slow_down_loads(seconds: float, marker: str) -> None:
@@ -142,6 +148,7 @@ def main() -> None:
     p.add_argument("--async-staging", action="store_true")
     p.add_argument("--health", action="store_true", help="add HealthGuardCallback (faults via RESILIENCE_INJECT)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a signal")
+    p.add_argument("--sleep-after-boundary", action="store_true", help="the step's sleep after its boundary")
     p.add_argument("--no-auto-resume", action="store_true")
     p.add_argument("--victim", help="RANK:STEP:kill|stop, a rank lost mid-run")
     p.add_argument(
@@ -192,7 +199,7 @@ def main() -> None:
         rank, step, how = args.victim.split(":")
         callbacks.append(Victim(int(rank), int(step), how))
     if args.step_sleep:
-        callbacks.append(Sleep(args.step_sleep))
+        callbacks.append(Sleep(args.step_sleep, after_boundary=args.sleep_after_boundary))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
