@@ -3,10 +3,10 @@
 Each trial is drawn from one seed: which phase of a save to die in (staging, shard writes, manifest write,
 upload, retention delete, or a kill from outside at a random time), how the rank dies (SIGKILL of the training
 process and its helper, or SIGTERM to the rank's whole process group as a scheduler stops a job: the helpers
-ignore it and end with the training process, which has no health guard here and dies of it), which rank, at which occurrence of the
-phase and after what delay, how long the surviving rank runs on before the launcher tears the job down,
-whether the durable tier is a ``file://`` directory or moto's S3 server, whether the node's local disk is
-lost too, and whether the job resumes on 1 or 2 ranks. After the kill:
+ignore it and end with the training process, which has no health guard here and dies of it), which rank, at
+which occurrence of the phase and after what delay, how long the surviving rank runs on before the launcher
+tears the job down, whether the durable tier is a ``file://`` directory or moto's S3 server, whether the
+node's local disk is lost too, and whether the job resumes on 1 or 2 ranks. After the kill:
 
 * every checkpoint that has a manifest verifies in full (a kill never leaves a partial commit);
 * the newest of them is at least the newest commit the dead run reported (nothing committed is lost; the
