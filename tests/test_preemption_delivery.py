@@ -132,19 +132,12 @@ def test_lightning_ddp_commits_the_agreed_step_when_every_process_is_signalled(
     assert_none_left(pids)
 
 
-def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signalled(tmp_path: Path) -> None:
-    """SLURM's delivery under ``accelerate launch``: the launcher, both workers and their helpers all get SIGTERM at
-    once; the launcher's agent also forwards its own to each worker's process group."""
-    out, root = tmp_path / "out", tmp_path / "ckpt"
-    out.mkdir()
+def start_accelerate(tmp: Path, root: Path, **settings: str) -> tuple[subprocess.Popen[str], Path]:
+    """A 2-rank ``accelerate launch --multi_gpu`` job on CPU with health on, no settings from the caller's shell."""
+    out = tmp / "out"
+    out.mkdir(exist_ok=True)
     env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
-    env.update(
-        HF_HOME=str(tmp_path / "hf-home"),
-        ACCELERATE_RESILIENCE_LOCAL_DIR=str(root),
-        ACCELERATE_RESILIENCE_HEALTH="1",
-        ACCELERATE_RESILIENCE_EVERY_N_STEPS="3",
-        TRAIN_STEP_SLEEP="0.3",
-    )
+    env.update(HF_HOME=str(tmp / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_DIR=str(root), **settings)
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     command += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(free_port()), str(ACCELERATE), str(out)]
@@ -153,6 +146,15 @@ def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signall
         proc = subprocess.Popen(
             command, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
+    return proc, log
+
+
+def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signalled(tmp_path: Path) -> None:
+    """SLURM's delivery under ``accelerate launch``: the launcher, both workers and their helpers all get SIGTERM at
+    once; the launcher's agent also forwards its own to each worker's process group."""
+    root = tmp_path / "ckpt"
+    health = {"ACCELERATE_RESILIENCE_HEALTH": "1", "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "3"}
+    proc, log = start_accelerate(tmp_path, root, TRAIN_STEP_SLEEP="0.3", **health)
     try:
         wait_for((root / "step-3" / "manifest.json").exists, proc, log)
         pids = deliver(proc, "every_pid", signal.SIGTERM)
@@ -165,6 +167,28 @@ def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signall
     # each worker left with the code the ranks agreed on, not by the launcher's closing signal (-15)
     assert output.count("exiting with code 75") == 2 and "-15" not in output, output[-6000:]
     assert_none_left(pids)
+
+
+def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path: Path) -> None:
+    """Under Accelerate the stop signals are the pack's from ``attach()``: a restore (here made to take 60 s) ends
+    at once with the requeue code on both workers, and the checkpoint it read stays intact."""
+    root = tmp_path / "ckpt"
+    first, log = start_accelerate(tmp_path, root, TRAIN_STOP_AT="4")
+    assert first.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-6000:]
+    marker = tmp_path / "loading"
+    slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
+    proc, log = start_accelerate(tmp_path, root, ACCELERATE_RESILIENCE_HEALTH="1", **slow)
+    try:
+        wait_for(marker.exists, proc, log)
+        pids = deliver(proc, "every_pid", signal.SIGTERM)
+        proc.wait(timeout=30)  # well before the read would have ended
+    finally:
+        kill_job(proc)
+    output = log.read_text()
+    assert output.count("SIGTERM before training began: exiting with code 75") == 2, output[-6000:]
+    assert "exitcode" not in output or "exitcode  : 75" in output, output[-6000:]
+    assert_none_left(pids)
+    assert resilience_cli(["verify", str(root), "--step", "4"]) == 0
 
 
 def test_resilience_launch_commits_the_agreed_step_when_its_process_group_is_signalled(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
 from lightning_resilience.checkpoint_io import live_checkpoint_ios
+from tests.workers.slow_load import slow_down_loads_from_env
 from tests.workers.victim import die_after_boundary
 
 
@@ -114,24 +115,8 @@ class Sleep(pl.Callback):
             time.sleep(self.seconds)
 
 
-def slow_down_loads(seconds: float, marker: str) -> None:
-    """Every checkpoint read first leaves ``marker`` and waits ``seconds``: a restore as long as one from S3 on a
-    fresh node, so that a signal can land in it."""
-    from resilience.manager import CheckpointManager
-
-    load_entry = CheckpointManager._load_entry
-
-    def slow(self: CheckpointManager, *args: object, **kwargs: object) -> object:
-        open(marker, "w").close()
-        time.sleep(seconds)
-        return load_entry(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    CheckpointManager._load_entry = slow  # type: ignore[method-assign]
-
-
 def main() -> None:
-    if os.environ.get("TEST_SLOW_LOAD_S"):
-        slow_down_loads(float(os.environ["TEST_SLOW_LOAD_S"]), os.environ["TEST_LOADING_MARKER"])
+    slow_down_loads_from_env()
     if os.environ.get("TEST_SLOW_WRITE_S"):  # each background write first leaves a marker and waits
         os.environ.update(RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="slow_write")
     p = argparse.ArgumentParser()
