@@ -316,7 +316,9 @@ class HealthGuard:
         if not self.config.nvml:
             raise ConfigError(f"GPU faults are injected ({mine}) but HealthConfig.nvml is False")
         if nvml is None:
-            raise ConfigError("GPU fault injection needs nvidia-ml-py: pip install 'training-resilience[nvml]'")
+            raise ConfigError(
+                "GPU fault injection needs nvidia-ml-py, a dependency of the pack: pip install nvidia-ml-py"
+            )
         return nvml if isinstance(nvml, SimulatedNVML) else SimulatedNVML(nvml, passthrough=True)
 
     def close(self) -> None:
