@@ -140,5 +140,9 @@ class ResiliencePlugin:
         return env.pick(GoodputConfig, self, _ENGINE_NAMES, run_dir=run_dir)
 
     def health_config(self, cuda: bool) -> HealthConfig:
-        """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU)."""
-        return env.pick(HealthConfig, self, nvml=cuda)
+        """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU), or when
+        a drill injects GPU faults (``RESILIENCE_INJECT``): they go through NVML's stand-in, on CPU too."""
+        config = env.pick(HealthConfig, self, nvml=cuda)
+        if not cuda and any(injection.kind is not None for injection in config.injections):
+            config = env.pick(HealthConfig, self, nvml=True)
+        return config

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import threading
 import time
@@ -57,6 +58,7 @@ from resilience.health import (
     SignalWatcher,
 )
 from resilience.health.faults import GPU_FAULTS
+from resilience.health.injection import ENV_VAR as INJECT_ENV_VAR
 from resilience.liveness import Notice
 from resilience.loader import Restored
 from resilience.manager import CheckpointManager
@@ -454,6 +456,12 @@ class TrainingSession:
         call does nothing, so an adapter may call it wherever training may begin)."""
         if self.started:
             return
+        if self.guard is None and os.environ.get(INJECT_ENV_VAR, "").strip():
+            raise ConfigError(
+                f"{INJECT_ENV_VAR}={os.environ[INJECT_ENV_VAR]!r} plans a fault drill, but this run does not watch "
+                "health, so nothing would be injected: add HealthGuardCallback() to the Trainer (Lightning), or set "
+                "ACCELERATE_RESILIENCE_HEALTH=1 (Accelerate), or unset the variable"
+            )
         self.manager.claim(resumed_from=step if self.manager.saved(step) is not None else None)
         self.started = True
         self._start_step = step

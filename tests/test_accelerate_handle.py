@@ -209,3 +209,14 @@ def test_load_state_right_after_save_state_restores_what_was_saved(
         restored = final_state(job)
     for name, tensor in saved["model"].items():
         assert torch.equal(restored["model"][name], tensor), name
+
+
+def test_a_fault_drill_without_health_says_so_instead_of_doing_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM drill that ran to the end with exit 0 made a user believe preemption handling worked."""
+    monkeypatch.setenv("RESILIENCE_INJECT", "signal=SIGTERM@step=2")
+    job = new_job()
+    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="thread")) as resilience:
+        with pytest.raises(ConfigError, match=r"RESILIENCE_INJECT=.* this run does not watch health.*HEALTH=1"):
+            resilience.save()
