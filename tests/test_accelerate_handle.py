@@ -217,6 +217,7 @@ def test_a_fault_drill_without_health_says_so_instead_of_doing_nothing(
     """A SIGTERM drill that ran to the end with exit 0 made a user believe preemption handling worked."""
     monkeypatch.setenv("RESILIENCE_INJECT", "signal=SIGTERM@step=2")
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="thread")) as resilience:
-        with pytest.raises(ConfigError, match=r"RESILIENCE_INJECT=.* this run does not watch health.*HEALTH=1"):
-            resilience.save()
+    resilience = attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="thread"))
+    with pytest.raises(ConfigError, match=r"RESILIENCE_INJECT=.* this run does not watch health.*HEALTH=1"):
+        resilience.save()
+    resilience.close()
