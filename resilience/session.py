@@ -699,7 +699,7 @@ class TrainingSession:
         self.last_plan = chosen
         self._emit(chosen.metrics(self._auto_steps))
         if self.is_main:
-            log.info("every_n_steps='auto': %s", chosen.describe())
+            log.info("every_n_steps='auto': the next save at step %d; %s", self._next_auto_step, chosen.describe())
 
     # ---- metrics ---------------------------------------------------------------------------------------------
 
