@@ -6,15 +6,18 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
-from examples.demo_model import DemoData, DemoModel
+from examples.demo_model import DemoData, DemoModel, Points
 from lightning_resilience import AutoResume, GoodputMonitor, PeriodicCheckpoint, ResilientCheckpointIO
 from tests.helpers import ROOT, base_env
 
@@ -181,3 +184,37 @@ def test_the_packs_log_lines_follow_lightnings_logger(tmp_path: Path, level: str
     assert list((tmp_path / "ckpt" / "quarantine").iterdir()), "the corrupt step was set aside"
     said = "quarantined corrupt step 8" in resumed.stderr
     assert said == (level == "INFO"), resumed.stderr
+
+
+class SlowPoints(Points):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.01)
+        return super().__getitem__(index)
+
+
+class SlowData(DemoData):
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(SlowPoints(self.size), batch_size=self.batch_size)
+
+
+def test_a_starving_lightning_loader_gets_a_diagnosis_from_its_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under Lightning the pack reads the training loader's settings itself: the warning names the cause (here no
+    workers), not a monitor call a Lightning user cannot reach."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="thread")],
+        callbacks=[GoodputMonitor(window_steps=5)],
+        logger=False,
+        max_steps=10,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(DemoModel(), SlowData())
+    starving = [r.getMessage() for r in caplog.records if "num_workers=0" in r.getMessage()]
+    assert starving, [r.getMessage() for r in caplog.records if "wait" in r.getMessage()]
+    assert not any("watch()" in r.getMessage() for r in caplog.records)
