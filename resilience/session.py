@@ -440,7 +440,7 @@ class TrainingSession:
         if self.is_main:
             sizes = self.manager.config.verify == "size"
             checks = "sizes and small files' checksums" if sizes else "every file's checksum"
-            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path})"
+            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}) in {seconds:.1f} s"
             log.info("%s, verified: %s%s", where, checks, f"; {position}" if position else "")
         saved_rng = restored.rank_state.get("rng") if isinstance(restored.rank_state, dict) else None
         if saved_rng is not None:
