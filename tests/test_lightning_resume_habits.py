@@ -218,3 +218,36 @@ def test_a_starving_lightning_loader_gets_a_diagnosis_from_its_settings(
     starving = [r.getMessage() for r in caplog.records if "num_workers=0" in r.getMessage()]
     assert starving, [r.getMessage() for r in caplog.records if "wait" in r.getMessage()]
     assert not any("watch()" in r.getMessage() for r in caplog.records)
+
+
+class ValidatedModel(DemoModel):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+
+class ValidatedData(DemoData):
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(Points(8), batch_size=4)
+
+
+def test_validate_best_after_a_fit_with_one_model_checkpoint_does_not_warn_of_several(tmp_path: Path) -> None:
+    """Lightning counts AutoResume among the ModelCheckpoints: with one of the user's, its "multiple" warning is
+    noise; "best" still loads that ModelCheckpoint's best file."""
+    best = ModelCheckpoint(monitor="train_loss", save_top_k=1, every_n_train_steps=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="thread")],
+        callbacks=[best, AutoResume()],
+        logger=False,
+        max_steps=8,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model, data = ValidatedModel(), ValidatedData()
+    trainer.fit(model, data)
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
+        trainer.validate(model, data, ckpt_path="best")
+    assert not [w for w in caught if "multiple `ModelCheckpoint`" in str(w.message)], [str(w.message) for w in caught]
+    assert trainer.ckpt_path == best.best_model_path and best.best_model_path
