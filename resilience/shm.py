@@ -24,7 +24,6 @@ import itertools
 import logging
 import os
 import secrets
-import sys
 import time
 from multiprocessing import resource_tracker
 from typing import cast
@@ -51,20 +50,8 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
         os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
-    _quiet_tracker()
     resource_tracker.register(f"/{name}", "shared_memory")  # a clean exit's tracker unlinks it, as SharedMemory's
     return name, map_segment(name, nbytes)
-
-
-@functools.cache
-def _quiet_tracker() -> None:
-    """The tracker of a process killed while it held segments unlinks them and warns of "leaked shared_memory
-    objects": after a kill -9 that is the cleanup working, and the warning read as one more crash in the log of a
-    recovery the pack handled. The tracker takes its warning filters from this interpreter's ``-W`` options when
-    it starts (the first registration), so the filter goes there first."""
-    option = "ignore:resource_tracker:UserWarning"
-    if option not in sys.warnoptions:
-        sys.warnoptions.append(option)
 
 
 def map_segment(name: str, nbytes: int | None = None) -> torch.Tensor:
