@@ -63,3 +63,29 @@ def test_version_and_a_closed_pipe(root: Path) -> None:
         text=True,
     )
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
+
+
+def modules_loaded_by(*args: str) -> set[str]:
+    """The top-level packages a ``resilience`` command imported, as the installed entry point runs it."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['resilience', *{list(args)!r}]\n"
+        "try:\n"
+        "    runpy.run_module('resilience.cli', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('MODULES', ' '.join(sorted({name.split('.')[0] for name in sys.modules})), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=base_env(), capture_output=True, text=True, check=True
+    )
+    line = next(line for line in done.stderr.splitlines() if line.startswith("MODULES "))
+    return set(line.split()[1:])
+
+
+def test_version_help_and_ls_do_not_import_torch(root: Path) -> None:
+    """Importing torch (and DCP) took 2 to 7 s, and ``resilience --version`` paid it: only the commands that read
+    tensors import it."""
+    for args in (["--version"], ["--help"], ["ls", str(root)], ["verify", str(root)]):
+        loaded = modules_loaded_by(*args)
+        assert "resilience" in loaded and "torch" not in loaded, args
