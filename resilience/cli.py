@@ -63,7 +63,9 @@ def _entries(args: argparse.Namespace) -> list[tuple[Tier, catalog.Entry]]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
-    for tier, entry in _entries(args):
+    scanned = [(tier, [e for e in catalog.scan(tier) if only is None or e.step == only]) for tier, only in _tiers(args)]
+    empty = [tier for tier, entries in scanned if not entries]
+    for tier, entry in [(tier, entry) for tier, entries in scanned for entry in entries]:
         manifest = entry.manifest
         rows.append(
             {
@@ -81,9 +83,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: (-r["step"], r["tier"]))
     if args.json:
         print(json.dumps(rows, indent=1))
-        return EXIT_OK
-    if not rows:
-        print("no checkpoints found")
+    if not rows:  # a run's folder instead of its checkpoint root, most often: say where the roots are
+        raise NotFound(" ".join(_no_checkpoints(tier) for tier in empty))
+    for tier in empty:  # one root of several is empty (a durable URL nothing was uploaded to yet)
+        print(f"note: {_no_checkpoints(tier)}", file=sys.stderr)
+    if args.json:
         return EXIT_OK
     print(f"{'STEP':>8}  {'STATUS':<11}  {'WORLD':>5}  {'SIZE':>10}  {'CREATED':<20}  {'TIER':<7}  PATH")
     for r in rows:
@@ -93,6 +97,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return EXIT_OK
+
+
+def _no_checkpoints(tier: Tier) -> str:
+    """Why ``tier`` lists nothing, and the checkpoint roots found below it, with the command that lists them."""
+    where = tier.display(tier.root)
+    below = catalog.roots_below(tier)
+    if not below:
+        return (
+            f"no checkpoints in {where}: no step-<N> folder there or up to {catalog.ROOTS_BELOW_DEPTH} levels below; "
+            "give a checkpoint root (the local_root or durable_url of a run)."
+        )
+    shown = ", ".join(f"{path} ({n} step{'' if n == 1 else 's'})" for path, n in below[:5])
+    more = f" and {len(below) - 5} more" if len(below) > 5 else ""
+    return f"no checkpoints in {where}; checkpoint roots below it: {shown}{more}. Run: resilience ls {below[0][0]}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -89,3 +89,18 @@ def test_version_help_and_ls_do_not_import_torch(root: Path) -> None:
     for args in (["--version"], ["--help"], ["ls", str(root)], ["verify", str(root)]):
         loaded = modules_loaded_by(*args)
         assert "resilience" in loaded and "torch" not in loaded, args
+
+
+def test_ls_of_the_run_folder_names_the_checkpoint_root_below_it(root: Path, tmp_path: Path) -> None:
+    """``resilience ls RUN`` for ``RUN/ckpt`` printed "no checkpoints found" and exited 0: it exits 3 and says
+    where the checkpoints are, with the command that lists them."""
+    above = run("ls", str(tmp_path))
+    assert above.returncode == EXIT_NOT_FOUND, above
+    assert f"no checkpoints in {tmp_path}" in above.stderr
+    assert f"{root} (1 step)" in above.stderr and f"Run: resilience ls {root}" in above.stderr
+    listed = run("ls", str(root))
+    assert listed.returncode == EXIT_OK and "step-3" in listed.stdout
+    (tmp_path / "empty").mkdir()
+    empty = run("ls", str(tmp_path / "empty"), "--json")
+    assert empty.returncode == EXIT_NOT_FOUND and empty.stdout.strip() == "[]"
+    assert "no step-<N> folder there" in empty.stderr
