@@ -218,6 +218,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except CorruptCheckpointError as exc:  # a check failed: nothing was written
         print(f"FAIL {exc}")
         return EXIT_FAILED
+    if done.note:
+        print(f"note: {done.note}", file=sys.stderr)
     files = ", ".join(done.files)
     print(f"OK   step {done.step} -> {files} ({done.format}, {_size(done.tensor_bytes)} of tensors)")
     return EXIT_OK
@@ -325,14 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a committed step as a Lightning .ckpt, a torch.save state dict or safetensors"
     )
     export.add_argument("root", metavar="ROOT", help="checkpoint root (directory or fsspec URL), or a step-<N> folder")
-    export.add_argument("out", metavar="OUT", help="file to write (lightning, torch) or directory (safetensors)")
+    export.add_argument(
+        "out",
+        metavar="OUT",
+        help="file to write; safetensors: FILE.safetensors is one file, any other name a directory in "
+        "save_pretrained's layout (shards and an index above --max-shard-size)",
+    )
     export.add_argument("--format", required=True, choices=("lightning", "torch", "safetensors"))
     export.add_argument("--step", type=int, help="this step (default: the newest committed one)")
     export.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler, callback state")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the model's floating-point weights")
     export.add_argument("--model", type=int, default=0, help="Accelerate: which prepared model (prepare order)")
     export.add_argument("--weights", metavar="PATH", help="path of the model's state dict in the saved state (a/b/c)")
-    export.add_argument("--max-shard-size", default="5GB", help="safetensors: split files above this (default 5GB)")
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="safetensors: split files above this, into a directory (default 5GB)"
+    )
     export.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote at OUT")
     export.add_argument("--allow-pickle", action="store_true", help="decode state values stored as pickles")
     export.add_argument("--progress", action="store_true", help="show tensor bytes read on stderr")
