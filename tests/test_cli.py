@@ -12,6 +12,7 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager, __version__
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
+from resilience.goodput import GoodputLedger
 from tests.helpers import ROOT, base_env
 
 
@@ -83,10 +84,17 @@ def modules_loaded_by(*args: str) -> set[str]:
     return set(line.split()[1:])
 
 
-def test_version_help_and_ls_do_not_import_torch(root: Path) -> None:
+def test_version_help_and_ls_do_not_import_torch(root: Path, tmp_path: Path) -> None:
     """Importing torch (and DCP) took 2 to 7 s, and ``resilience --version`` paid it: only the commands that read
     tensors import it."""
-    for args in (["--version"], ["--help"], ["ls", str(root)], ["verify", str(root)]):
+    GoodputLedger(tmp_path / "run").end()
+    for args in (
+        ["--version"],
+        ["--help"],
+        ["ls", str(root)],
+        ["verify", str(root)],
+        ["report", str(tmp_path / "run")],
+    ):
         loaded = modules_loaded_by(*args)
         assert "resilience" in loaded and "torch" not in loaded, args
 
