@@ -29,10 +29,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from resilience import __version__, proofs
 from resilience.catalog import scan
 from resilience.config import CheckpointConfig
-from resilience.direct_io import HashedFileSystem, Written
+from resilience.direct_io import Written
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
+from resilience.hashed_fs import HashedFileSystem
 from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, WRITER_FILE, rank_state_file
 from resilience.manifest import FileEntry, Manifest
 from resilience.retention import steps_to_delete
@@ -94,7 +95,7 @@ class PiecePlanner(DefaultSavePlanner):
 
 class RecordingWriter(FileSystemWriter):
     """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own, and
-    writes them through :class:`~resilience.direct_io.HashedFileSystem`: past the page cache with ``direct``,
+    writes them through :class:`~resilience.hashed_fs.HashedFileSystem`: past the page cache with ``direct``,
     synced as each file closes with ``sync_files``, hashed on the way out (:attr:`hashes`)."""
 
     def __init__(

@@ -137,8 +137,9 @@ class GoodputConfig:
     Attributes:
         run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several nodes
             be on a shared file system. Only the main process writes it.
-        span_s: How often the ledger writes what it has summed up: a kill loses at most this much of the
-            account (it then shows as downtime).
+        span_s: How often the ledger writes what it has summed up as a span; between spans the pending one is
+            kept in a side file at each step's end, so a kill loses only the time since the last step ended (it
+            then shows as downtime).
         window_steps: Steps per data-wait window (one metrics row and at most one starvation warning each).
         starvation_threshold: Fraction of step time spent waiting for data above which the accelerator starves.
     """
