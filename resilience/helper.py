@@ -394,7 +394,8 @@ class HelperPipeline:
             future.set_result(result)
 
     def _helper_died(self, why: str) -> None:
-        log.error("%s; its unfinished saves are not committed", why)
+        # ended by kill() (a restart after a lost peer, a survivor save): expected, and said by whoever asked
+        log.log(logging.INFO if self._killed else logging.ERROR, "%s; its unfinished saves are not committed", why)
         with self._lock:
             self.died = why
             handles = list(self._handles.values())
