@@ -27,6 +27,7 @@ from resilience import inplace
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
+from resilience.logs import print_to_stderr
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
 from resilience.position import DataTracker, Position
@@ -94,6 +95,7 @@ class ResilienceHandle:
             raise ConfigError("this Accelerator already has a ResilienceHandle: attach once, and close() it first")
         self.accelerator = accelerator
         self.plugin = plugin
+        print_to_stderr(lambda: accelerator.is_main_process)  # Accelerate's own lines show nothing unless set up
         project = accelerator.project_configuration
         limit = project.total_limit
         config = plugin.checkpoint_config(
@@ -434,6 +436,6 @@ def attach(
         plugin: Settings; default ``ResiliencePlugin()``, i.e. all from ``ACCELERATE_RESILIENCE_*``.
         dataloader: The training loader whose position resume() reports (default: the first one prepared).
         health: Health-monitoring settings; giving them turns monitoring on (as ``plugin.health`` does with
-            the defaults: NVML on CUDA, SIGTERM/SIGUSR1 as preemption, the hang watchdog).
+            the defaults: NVML on CUDA, SIGTERM/SIGINT/SIGUSR1 as preemption, the hang watchdog).
     """
     return ResilienceHandle(accelerator, plugin if plugin is not None else ResiliencePlugin(), dataloader, health)

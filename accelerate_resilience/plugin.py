@@ -26,8 +26,8 @@ _ENGINE_NAMES = {"span_s": "goodput_span_s", "window_steps": "data_window_steps"
 
 # The fields' documentation is the engine configs' (resilience.docstrings); what differs here is said here.
 _OWN = {
-    "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGUSR1) and hangs; on a fault or "
-    "signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
+    "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a "
+    "fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
     "goodput": "Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went, across "
     "restarts. Only the main process writes it.",
 }
@@ -140,5 +140,9 @@ class ResiliencePlugin:
         return env.pick(GoodputConfig, self, _ENGINE_NAMES, run_dir=run_dir)
 
     def health_config(self, cuda: bool) -> HealthConfig:
-        """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU)."""
-        return env.pick(HealthConfig, self, nvml=cuda)
+        """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU), or when
+        a drill injects GPU faults (``RESILIENCE_INJECT``): they go through NVML's stand-in, on CPU too."""
+        config = env.pick(HealthConfig, self, nvml=cuda)
+        if not cuda and any(injection.kind is not None for injection in config.injections):
+            config = env.pick(HealthConfig, self, nvml=True)
+        return config

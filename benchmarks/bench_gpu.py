@@ -174,7 +174,7 @@ def engine_turns(args: Any, root: Any, report: Report) -> None:
 def nvml_readings(report: Report) -> None:
     nvml = load_nvml()
     if nvml is None:
-        report.add("- nvidia-ml-py is not installed: no NVML readings (pip install 'training-resilience[nvml]').")
+        report.add("- nvidia-ml-py is not installed: no NVML readings (pip install nvidia-ml-py).")
         return
     try:
         nvml.nvmlInit()

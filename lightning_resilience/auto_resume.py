@@ -26,6 +26,7 @@ _QUIET = (
     r"`\.fit\(ckpt_path=None\)` was called without a model\. The last model",
     r"\.fit\(ckpt_path=\"last\"\) is set, but there is no last checkpoint available",
 )
+_SEVERAL_MODEL_CHECKPOINTS = r"`\.\w+\(ckpt_path=\"best\"\)` is called with Trainer configured with multiple"
 
 
 class AutoResume(SessionCallback, OnExceptionCheckpoint):
@@ -93,6 +94,10 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Nothing deleted: the base class would delete the newest checkpoint here."""
         SessionCallback.teardown(self, trainer, pl_module, stage)
+        if sum(not isinstance(c, AutoResume) for c in trainer.checkpoint_callbacks) <= 1:
+            # Lightning counts this callback among the ModelCheckpoints when validate(ckpt_path="best") follows
+            # the fit: with one ModelCheckpoint of the user's, its warning about several would only mislead
+            warnings.filterwarnings("ignore", message=_SEVERAL_MODEL_CHECKPOINTS)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

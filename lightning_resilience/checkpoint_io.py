@@ -181,9 +181,9 @@ class ResilientCheckpointIO(CheckpointIO):
             if not self._warned_rank0_only:
                 self._warned_rank0_only = True
                 rank_zero_warn(
-                    "ResilientCheckpointIO is called on rank 0 only under this strategy, so its saves are plain "
-                    "synchronous Lightning files; use strategy='resilient_ddp' for asynchronous saves every rank "
-                    "writes its part of"
+                    "ResilientCheckpointIO is called on rank 0 only under this strategy, so each save is a plain "
+                    "synchronous Lightning file written by rank 0. For asynchronous saves in which every rank "
+                    "writes its own part, use strategy='resilient_ddp'."
                 )
             TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return

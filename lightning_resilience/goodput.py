@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience.docstrings import document
@@ -34,3 +35,12 @@ class GoodputMonitor(SessionCallback):
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         run_dir = self.run_dir or trainer.default_root_dir
         session.use_goodput(GoodputConfig(run_dir, self.span_s, self.window_steps, self.starvation_threshold))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        loader = trainer.train_dataloader
+        if self._session is not None and self._session.data is not None and hasattr(loader, "num_workers"):
+            # a starvation warning names its cause from the loader's settings (workers, pinning, prefetching);
+            # its collate_fn is not timed: the epoch's iterator, made before this hook, holds the one it had
+            self._session.data.watch(loader, time_collate=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +12,8 @@ import lightning.pytorch as pl
 from lightning_resilience.session_callback import SessionCallback
 from resilience import env_settings as env
 from resilience.docstrings import document
-from resilience.health import EmergencySave, HealthConfig
+from resilience.health import EmergencySave, HealthConfig, SignalWatcher, signal_watcher
+from resilience.health.events import EventLog
 from resilience.session import TrainingSession
 
 
@@ -24,7 +27,9 @@ class HealthGuardCallback(SessionCallback):
     torchrun's ``--max_restarts`` or a SLURM requeue turns into a restart that resumes at that step. Degraded
     faults (thermal slowdown, pending row remaps, a hang warning) are logged and counted. Faults can be
     injected for drills with ``RESILIENCE_INJECT`` (see docs/HEALTH.md). It replaces Lightning's own SIGTERM
-    handling for the run (which stops without saving). Every argument is a :class:`HealthConfig` field.
+    handling for the run (which stops without saving). From its construction until training begins (the
+    launch, a restore), a stop signal ends the process at once with the preemption code: nothing is trained
+    yet. Every argument is a :class:`HealthConfig` field.
     """
 
     def __init__(
@@ -35,7 +40,7 @@ class HealthGuardCallback(SessionCallback):
         nvml: bool = True,
         devices: Sequence[int | str] | None = None,
         poll_interval_s: float = 5.0,
-        signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+        signals: Sequence[str] = ("SIGTERM", "SIGINT", "SIGUSR1"),
         fault_table: dict[str, Any] | None = None,
         watchdog: bool = True,
         hang_factor: float = 5.0,
@@ -49,9 +54,13 @@ class HealthGuardCallback(SessionCallback):
     ) -> None:
         self.config = env.pick(HealthConfig, locals(), signals=tuple(signals))  # None: HealthConfig's default
         self.last_emergency: EmergencySave | None = None
+        self._signals: SignalWatcher | None = None
+        if threading.current_thread() is threading.main_thread():
+            self._signals = signal_watcher(self.config, EventLog(int(os.environ.get("RANK", "0") or 0)))
+            self._signals.install()
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
-        session.use_health(self.config)  # collective: the agreement's gloo group
+        session.use_health(self.config, signals=self._signals)  # collective: the agreement's gloo group
 
     def keep_after_fit(self, session: TrainingSession) -> None:
         self.last_emergency = session.last_emergency

@@ -101,4 +101,4 @@ class SessionCallback(Callback):
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.save(trainer)`` pickles callbacks: the live session stays behind."""
-        return {key: value for key, value in self.__dict__.items() if key not in ("_session", "_paused")}
+        return {key: value for key, value in self.__dict__.items() if key not in ("_session", "_paused", "_signals")}

@@ -62,6 +62,40 @@ def scan(tier: Tier) -> list[Entry]:
     return entries
 
 
+ROOTS_BELOW_DEPTH = 3
+
+
+def roots_below(tier: Tier, *, depth: int = ROOTS_BELOW_DEPTH, max_listings: int = 200) -> list[tuple[str, int]]:
+    """Folders below ``tier``'s root, ``depth`` levels down at most, that hold committed ``step-<N>`` folders,
+    as (path, number of committed steps), nearest first.
+
+    A user who names the run's folder rather than its checkpoint root (``resilience ls RUN`` for ``RUN/ckpt``)
+    is told where the checkpoints are. Hidden and step folders are not entered, and at most ``max_listings``
+    folders are listed, so a search from a home directory or a bucket's top stays short.
+    """
+    found: list[tuple[str, int]] = []
+    level, listings = [tier.root], 0
+    for _ in range(depth + 1):
+        deeper: list[str] = []
+        for folder in level:
+            if listings >= max_listings:
+                return found
+            listings += 1
+            try:
+                children = sorted(
+                    str(e["name"]).rstrip("/") for e in tier.fs.ls(folder, detail=True) if e.get("type") == "directory"
+                )
+            except OSError:  # unreadable or gone: nothing to suggest there
+                continue
+            steps = [c for c in children if parse_step_dirname(c) is not None]
+            committed = sum(1 for step in steps if tier.fs.exists(f"{step}/{MANIFEST}"))
+            if committed and folder != tier.root:
+                found.append((tier.display(folder), committed))
+            deeper += [c for c in children if c not in steps and not c.rsplit("/", 1)[-1].startswith(".")]
+        level = deeper
+    return found
+
+
 def open_root(text: str, options: dict[str, Any] | None = None) -> tuple[Tier, int | None]:
     """A checkpoint root a user named (a directory or an fsspec URL) as (tier, step): a ``step-<N>`` folder
     stands for step N of its parent root; ``step`` is None for a root."""

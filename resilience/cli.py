@@ -63,7 +63,9 @@ def _entries(args: argparse.Namespace) -> list[tuple[Tier, catalog.Entry]]:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
-    for tier, entry in _entries(args):
+    scanned = [(tier, [e for e in catalog.scan(tier) if only is None or e.step == only]) for tier, only in _tiers(args)]
+    empty = [tier for tier, entries in scanned if not entries]
+    for tier, entry in [(tier, entry) for tier, entries in scanned for entry in entries]:
         manifest = entry.manifest
         rows.append(
             {
@@ -81,9 +83,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows.sort(key=lambda r: (-r["step"], r["tier"]))
     if args.json:
         print(json.dumps(rows, indent=1))
-        return EXIT_OK
-    if not rows:
-        print("no checkpoints found")
+    if not rows:  # a run's folder instead of its checkpoint root, most often: say where the roots are
+        raise NotFound(" ".join(_no_checkpoints(tier) for tier in empty))
+    for tier in empty:  # one root of several is empty (a durable URL nothing was uploaded to yet)
+        print(f"note: {_no_checkpoints(tier)}", file=sys.stderr)
+    if args.json:
         return EXIT_OK
     print(f"{'STEP':>8}  {'STATUS':<11}  {'WORLD':>5}  {'SIZE':>10}  {'CREATED':<20}  {'TIER':<7}  PATH")
     for r in rows:
@@ -93,6 +97,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
             f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return EXIT_OK
+
+
+def _no_checkpoints(tier: Tier) -> str:
+    """Why ``tier`` lists nothing, and the checkpoint roots found below it, with the command that lists them."""
+    where = tier.display(tier.root)
+    below = catalog.roots_below(tier)
+    if not below:
+        return (
+            f"no checkpoints in {where}: no step-<N> folder there or up to {catalog.ROOTS_BELOW_DEPTH} levels below; "
+            "give a checkpoint root (the local_root or durable_url of a run)."
+        )
+    shown = ", ".join(f"{path} ({n} step{'' if n == 1 else 's'})" for path, n in below[:5])
+    more = f" and {len(below) - 5} more" if len(below) > 5 else ""
+    return f"no checkpoints in {where}; checkpoint roots below it: {shown}{more}. Run: resilience ls {below[0][0]}"
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -200,6 +218,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except CorruptCheckpointError as exc:  # a check failed: nothing was written
         print(f"FAIL {exc}")
         return EXIT_FAILED
+    if done.note:
+        print(f"note: {done.note}", file=sys.stderr)
     files = ", ".join(done.files)
     print(f"OK   step {done.step} -> {files} ({done.format}, {_size(done.tensor_bytes)} of tensors)")
     return EXIT_OK
@@ -307,14 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a committed step as a Lightning .ckpt, a torch.save state dict or safetensors"
     )
     export.add_argument("root", metavar="ROOT", help="checkpoint root (directory or fsspec URL), or a step-<N> folder")
-    export.add_argument("out", metavar="OUT", help="file to write (lightning, torch) or directory (safetensors)")
+    export.add_argument(
+        "out",
+        metavar="OUT",
+        help="file to write; safetensors: FILE.safetensors is one file, any other name a directory in "
+        "save_pretrained's layout (shards and an index above --max-shard-size)",
+    )
     export.add_argument("--format", required=True, choices=("lightning", "torch", "safetensors"))
     export.add_argument("--step", type=int, help="this step (default: the newest committed one)")
     export.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler, callback state")
     export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the model's floating-point weights")
     export.add_argument("--model", type=int, default=0, help="Accelerate: which prepared model (prepare order)")
     export.add_argument("--weights", metavar="PATH", help="path of the model's state dict in the saved state (a/b/c)")
-    export.add_argument("--max-shard-size", default="5GB", help="safetensors: split files above this (default 5GB)")
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="safetensors: split files above this, into a directory (default 5GB)"
+    )
     export.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote at OUT")
     export.add_argument("--allow-pickle", action="store_true", help="decode state values stored as pickles")
     export.add_argument("--progress", action="store_true", help="show tensor bytes read on stderr")

@@ -11,7 +11,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resilience import __version__
-from resilience.direct_io import HashedFileSystem, Written
+from resilience.direct_io import Written
+from resilience.hashed_fs import HashedFileSystem
 
 
 class PiecePlanner(DefaultSavePlanner):
@@ -39,7 +40,7 @@ class PiecePlanner(DefaultSavePlanner):
 
 class RecordingWriter(FileSystemWriter):
     """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own, and
-    writes them through :class:`~resilience.direct_io.HashedFileSystem`: past the page cache with ``direct``,
+    writes them through :class:`~resilience.hashed_fs.HashedFileSystem`: past the page cache with ``direct``,
     synced as each file closes with ``sync_files``, hashed on the way out (:attr:`hashes`)."""
 
     def __init__(

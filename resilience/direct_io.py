@@ -32,13 +32,11 @@ import io
 import mmap
 import os
 import threading
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import xxhash
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 # O_DIRECT wants the buffer's address, the file offset and the length aligned to the device's logical block:
 # 4 KiB covers every block size in use (512 B and 4 KiB). Linux-only flag; elsewhere, buffered writes.
@@ -188,39 +186,14 @@ class HashedFileStream(io.IOBase):
             self._direct = False
 
 
-class HashedFileSystem(FileSystem):
-    """DCP's local file system whose new files are :class:`HashedFileStream` s; :attr:`written` maps each
-    finished file's name (relative to its folder) to its :class:`Written`. Without ``record_crcs`` the entries'
-    zip records carry no CRC-32 (:func:`_no_zip_crcs`)."""
+def __getattr__(name: str) -> Any:
+    """``HashedFileSystem`` is imported from :mod:`resilience.hashed_fs` only when asked for: it subclasses DCP's
+    file system, whose import takes seconds that a reader of checkpoints (``resilience ls``) need not pay."""
+    if name == "HashedFileSystem":
+        from resilience.hashed_fs import HashedFileSystem
 
-    def __init__(self, *, direct: bool, fsync: bool, record_crcs: bool = False) -> None:
-        super().__init__()
-        self.direct = direct
-        self.fsync = fsync
-        self.record_crcs = record_crcs
-        self.written: dict[str, Written] = {}
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        name = os.path.basename(os.fspath(path))
-
-        def done(written: Written) -> None:
-            self.written[name] = written
-
-        stream = HashedFileStream(os.fspath(path), direct=self.direct, fsync=self.fsync, done=done)
-        try:
-            # DCP writes every entry of the file inside this block, in this thread
-            with contextlib.nullcontext() if self.record_crcs else _no_zip_crcs():
-                yield stream
-        except BaseException:
-            stream.abandon()
-            raise
-        finally:
-            stream.close()
+        return HashedFileSystem
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _no_zip_crcs() -> contextlib.AbstractContextManager[Any]:

@@ -24,7 +24,7 @@ from fsspec.core import url_to_fs
 
 from resilience import catalog
 from resilience.errors import ConfigError, NoCheckpointError
-from resilience.formats import lightning_ckpt
+from resilience.formats import SUFFIXES, check_suffix, lightning_ckpt, safetensors_file
 from resilience.formats.safetensors_file import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, index, plan_shards, write_shard
 from resilience.formats.torch_file import write_torch_file
 from resilience.layout import STATE_FILE, rank_state_file
@@ -55,6 +55,7 @@ class Exported:
     format: str
     files: list[str] = field(default_factory=list)
     tensor_bytes: int = 0
+    note: str | None = None  # what the caller should tell the user: e.g. a file name that became a directory
 
 
 def export(
@@ -79,7 +80,9 @@ def export(
 
     Args:
         source: A checkpoint root (a run's ``local_root`` or ``durable_url``) or one ``step-<N>`` folder of it.
-        out: The file to write (``lightning``, ``torch``), or the directory (``safetensors``); a path or URL.
+        out: The file to write; a path or URL. safetensors: a ``.safetensors`` name is one file (a directory
+            of shards beside it, named without the suffix, when the weights exceed ``max_shard_bytes``: see
+            ``Exported.note``); any other name is a directory in ``save_pretrained``'s layout.
         format: ``lightning``: the ``.ckpt`` dict the Lightning adapter's names hold (Lightning runs only).
             ``torch``: the model's state dict (``weights_only``), else ``{"step", "model", "optimizers",
             "schedulers"}`` (``{"step", "state"}``, the whole tree, for a state the engine saved directly).
@@ -95,6 +98,7 @@ def export(
     """
     if format not in FORMATS:
         raise ConfigError(f"format={format!r} is not one of {', '.join(FORMATS)}")
+    check_suffix(out, format)
     tier, folder_step = catalog.open_root(source, storage_options)
     entry = _committed_entry(tier, step if step is not None else folder_step)
     assert entry.manifest is not None
@@ -272,18 +276,69 @@ def _write_safetensors(
     overwrite: bool,
     options: dict[str, Any] | None,
 ) -> None:
+    """``out`` ending in ``.safetensors`` is one file, which ``safetensors.torch.load_file`` reads; weights
+    larger than ``max_shard_bytes`` go to the directory of that name without the suffix, as ``save_pretrained``
+    shards them, and :attr:`Exported.note` says so. Any other ``out`` is such a directory."""
     not_tensors = [name for name, value in named if not reader.is_placeholder(value)]
     if not_tensors:
         raise ConfigError(
             f"the state dict holds values that are not tensors ({', '.join(not_tensors[:3])}), which safetensors "
             "cannot store: export it with --format torch"
         )
+    shards = plan_shards(named, max_shard_bytes)
+    metadata = {METADATA_KEY: json.dumps(origin)}
+    if not out.lower().endswith(SUFFIXES["safetensors"]):
+        _write_shards(shards, out, reader, metadata, done, overwrite, options)
+        return
+    fs, target = url_to_fs(out, **(options or {}))
+    if fs.isdir(target):
+        raise ConfigError(
+            f"{out} is a directory (an earlier export's?): a .safetensors name is written as one file; remove the "
+            "directory, or name it without the suffix to write save_pretrained's layout into it"
+        )
+    if fs.exists(target) and not overwrite:
+        raise ConfigError(f"{out} exists: pass --overwrite (overwrite=True) or give another path")
+    if len(shards) == 1:
+        with atomic_output(out, storage_options=options) as stream:
+            write_shard(shards[0], stream, reader, metadata)
+        done.files.append(out)
+        done.tensor_bytes = shards[0].nbytes
+        return
+    folder = out[: -len(".safetensors")]
+    _write_shards(shards, folder, reader, metadata, done, overwrite, options)
+    if fs.exists(target):  # an earlier export's file there would be loaded in place of the new shards
+        fs.rm_file(target)
+    done.note = (
+        f"the weights ({_amount(done.tensor_bytes)}) exceed --max-shard-size ({_amount(max_shard_bytes)}), so "
+        f"{out} was not written: {len(shards)} files and {INDEX_FILE} are in the directory {folder}, as "
+        f"save_pretrained shards them; for one file pass --max-shard-size {_at_least(done.tensor_bytes)}"
+    )
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 10**9 else f"{n / 1e6:.1f} MB" if n >= 10**6 else f"{n} bytes"
+
+
+def _at_least(n: int) -> str:
+    """A ``--max-shard-size`` of ``n`` bytes or more, rounded up in the largest unit that ``n`` reaches."""
+    unit, scale = next(((u, s) for u, s in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)) if n >= s), ("", 1))
+    return f"{-(-n // scale)}{unit}"
+
+
+def _write_shards(
+    shards: list[safetensors_file.Shard],
+    out: str,
+    reader: StepReader,
+    metadata: dict[str, str],
+    done: Exported,
+    overwrite: bool,
+    options: dict[str, Any] | None,
+) -> None:
+    """``save_pretrained``'s directory layout: ``model.safetensors``, or shards and their index."""
     fs, folder = url_to_fs(out, **(options or {}))
     earlier = [p for p in fs.glob(f"{folder.rstrip('/')}/model*.safetensors*") if _is_export_file(p)]
     if earlier and not overwrite:
         raise ConfigError(f"{out} already holds an export ({os.path.basename(earlier[0])}): pass --overwrite")
-    shards = plan_shards(named, max_shard_bytes)
-    metadata = {METADATA_KEY: json.dumps(origin)}
     for shard in shards:
         with atomic_output(_join(out, shard.name), storage_options=options) as stream:
             write_shard(shard, stream, reader, metadata)

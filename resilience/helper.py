@@ -19,6 +19,13 @@ import the user's training script again in every helper, running any of its top-
 staging buffers are named shared-memory segments the helper maps by name. A helper that dies fails the saves it
 held (nothing half-written is ever committed: the manifest comes last, after every helper agreed); the next save
 says so, and restarts every rank's helper or stops training, as configured.
+
+Schedulers stop a job by signalling every process of it: SLURM each process of the job step, torchrun and
+``accelerate launch`` each worker's process group, Kubernetes the whole container at the end of its grace, and a
+terminal's Ctrl-C the foreground process group. The helpers hold the very saves the training process makes when
+it is told to stop, so they ignore those signals (:data:`STOP_SIGNALS`, from before their interpreter starts) and
+end with their training process instead: a helper exits when its connection closes, the fork server when its
+keep-alive pipe does, and a SIGKILL at the end of the grace ends them all.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.events import Events
+from resilience.health.signals import STOP_SIGNALS
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import SegmentRef, StagingJob, attach, segment_of
 from resilience.worker import Worker
@@ -140,12 +148,19 @@ class ForkServer:
         self.authkey = os.urandom(16)
         read, self._keepalive = os.pipe()
         env = {**os.environ, "RESILIENCE_HELPER_AUTHKEY": self.authkey.hex()}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "resilience.helper", self.address, str(read)],
-            pass_fds=(read,),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        # Blocked in this thread while the server is started: the child inherits the mask across exec, so a stop
+        # signal that comes while its interpreter imports torch waits, and is ignored once the server is up
+        # (_ignore_stop_signals). This thread gets it again after the start, or another thread takes it meanwhile.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "resilience.helper", self.address, str(read)],
+                pass_fds=(read,),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
 
     @classmethod
@@ -379,7 +394,8 @@ class HelperPipeline:
             future.set_result(result)
 
     def _helper_died(self, why: str) -> None:
-        log.error("%s; its unfinished saves are not committed", why)
+        # ended by kill() (a restart after a lost peer, a survivor save): expected, and said by whoever asked
+        log.log(logging.INFO if self._killed else logging.ERROR, "%s; its unfinished saves are not committed", why)
         with self._lock:
             self.died = why
             handles = list(self._handles.values())
@@ -452,10 +468,20 @@ def call_in_helper(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
 # ---- the helper process ------------------------------------------------------------------------------------------
 
 
+def _ignore_stop_signals() -> None:
+    """The server and every helper forked from it ignore :data:`STOP_SIGNALS` (dispositions survive a fork):
+    a stop of the job must not cut short the saves they hold. Blocked since the server's start, the ones that
+    came meanwhile are dropped as they are unblocked."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def _serve(address: str, keepalive_fd: int) -> None:
     """The fork server: fork a helper for every connection, until the training process goes away."""
     import selectors
 
+    _ignore_stop_signals()
     warmed = False
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
     selector = selectors.DefaultSelector()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import io
 import json
 import logging
 import os
@@ -209,10 +210,27 @@ class Target:
             return _exit_code(exc.code)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
+        except BaseException as exc:
+            if requested() is None:
+                sys.excepthook(*sys.exc_info())
+            else:
+                _expected_end(exc)
             return 1
         return 0
+
+
+def _expected_end(exc: BaseException) -> None:
+    """The script ended with the error a lost peer leaves (its collective failed) after the survivors saved and
+    asked for a restart in place: a handled event, so one line, and the traceback only at DEBUG. The hooks still
+    see the error (Accelerate's handle closes on it); what they print goes to the DEBUG line too."""
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    log.warning(
+        "rank %s: training ended as its peer was lost (%s: %s)", os.environ.get("RANK", "?"), type(exc).__name__, first
+    )
+    log.debug("the error that ended this generation:\n%s", printed.getvalue())
 
 
 def _close_generation() -> None:

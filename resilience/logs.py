@@ -26,13 +26,36 @@ class _Through(logging.Handler):
             target.handle(record)
 
 
+class _Stderr(logging.StreamHandler):
+    """The pack's lines on stderr, ``resilience: ...``: INFO only where ``is_main()``, warnings from every rank."""
+
+    def __init__(self, is_main: Callable[[], bool]):
+        super().__init__()
+        self.is_main = is_main
+        self.setFormatter(logging.Formatter("resilience: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING or self.is_main():
+            super().emit(record)
+
+
 def route_through(target: str, is_main: Callable[[], bool]) -> None:
     """Send the engine's records (the ``resilience`` logger's) through the ``target`` logger, unless the user
     set up logging; once."""
+    _install(_Through(target, is_main))
+
+
+def print_to_stderr(is_main: Callable[[], bool]) -> None:
+    """For a framework whose own lines stay silent without a logging set-up (Accelerate's): the engine's records
+    go to stderr, so that a resume, a save that failed or a stop is seen; unless the user set up logging; once."""
+    _install(_Stderr(is_main))
+
+
+def _install(handler: logging.Handler) -> None:
     engine = logging.getLogger("resilience")
-    if logging.getLogger().hasHandlers() or any(isinstance(handler, _Through) for handler in engine.handlers):
+    if logging.getLogger().hasHandlers() or any(isinstance(h, (_Through, _Stderr)) for h in engine.handlers):
         return
-    engine.addHandler(_Through(target, is_main))
+    engine.addHandler(handler)
     engine.propagate = False
     if engine.level == logging.NOTSET:  # else the root's WARNING would drop INFO before the handler
         engine.setLevel(logging.INFO)

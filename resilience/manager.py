@@ -718,6 +718,7 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait_for_staging()  # the load fills live tensors in place
+        self._settle_own_save()
         allow_pickle = self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1"
         rejected: set[tuple[int, str]] = set()
         # where the time goes, copies set aside included: listing the tiers, checksums, the read itself
@@ -758,6 +759,21 @@ class CheckpointManager:
                 )
             }
             return restored
+
+    def _settle_own_save(self) -> None:
+        """This process's last save is the newest state it knows: a load waits for its local commit, so that a
+        load right after a save (a rollback) reads it rather than an older checkpoint; a failed save raises."""
+        handle = self._inflight
+        if handle is None or handle.committed.done():
+            return
+        log.info("waiting for the save of step %d to commit before loading", handle.step)
+        try:
+            self.wait()
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"load: the save of step {handle.step} made before it did not commit ({exc}); to load the newest "
+                "committed checkpoint instead, pass its step"
+            ) from exc
 
     def _load_entry(
         self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool, leave_out: Collection[str]

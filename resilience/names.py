@@ -54,7 +54,10 @@ REGISTRY = "names.json"
 FILE = "file"  # a name's layout: one Lightning checkpoint file
 SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
 
-RESUME_MARKER = "resume.ckpt"  # a name meaning "the newest committed checkpoint that verifies" (AutoResume's)
+# A name meaning "the newest committed checkpoint that verifies" (AutoResume's). A JSON file, named as one: a
+# ".ckpt" name made users try torch.load on it. Roots written before keep their "resume.ckpt", still read as one.
+RESUME_MARKER = "resume.json"
+_OLD_RESUME_MARKER = "resume.ckpt"
 _MARKER_FORMAT = "training-resilience/resume"
 
 
@@ -361,7 +364,7 @@ def resolve(path: str, names: NameWriter | None, config: CheckpointConfig) -> tu
     recorded under ``config``'s local root. No collectives: a sharded strategy resolves on rank 0 only and
     broadcasts the answer.
     """
-    if os.path.basename(path) == RESUME_MARKER and _is_marker(path):
+    if os.path.basename(path) in (RESUME_MARKER, _OLD_RESUME_MARKER) and _is_marker(path):
         return None, None
     step = parse_step_dirname(path)
     if step is not None and os.path.isdir(path):
@@ -400,7 +403,8 @@ def write_resume_marker(local_root: str | os.PathLike[str]) -> str:
     path = os.path.join(local_root, RESUME_MARKER)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as stream:
-        stream.write(f'{{"format": "{_MARKER_FORMAT}"}}\n')
+        note = "not a checkpoint: AutoResume's pointer to the newest committed checkpoint that verifies in this folder"
+        stream.write(json.dumps({"format": _MARKER_FORMAT, "note": note}) + "\n")
     os.replace(tmp, path)
     return path
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import threading
 import time
@@ -46,8 +47,18 @@ from resilience.goodput import (
 )
 from resilience.goodput.ledger import COMPLETED, incarnation_start, ledger_dir
 from resilience.goodput.summary import GoodputSummary, summarize
-from resilience.health import Decision, EmergencySave, FaultEvent, HealthConfig, HealthGuard, Kind, Severity
+from resilience.health import (
+    Decision,
+    EmergencySave,
+    FaultEvent,
+    HealthConfig,
+    HealthGuard,
+    Kind,
+    Severity,
+    SignalWatcher,
+)
 from resilience.health.faults import GPU_FAULTS
+from resilience.health.injection import ENV_VAR as INJECT_ENV_VAR
 from resilience.liveness import Notice
 from resilience.loader import Restored
 from resilience.manager import CheckpointManager
@@ -126,8 +137,9 @@ class GoodputConfig:
     Attributes:
         run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several nodes
             be on a shared file system. Only the main process writes it.
-        span_s: How often the ledger writes what it has summed up: a kill loses at most this much of the
-            account (it then shows as downtime).
+        span_s: How often the ledger writes what it has summed up as a span; between spans the pending one is
+            kept in a side file at each step's end, so a kill loses only the time since the last step ended (it
+            then shows as downtime).
         window_steps: Steps per data-wait window (one metrics row and at most one starvation warning each).
         starvation_threshold: Fraction of step time spent waiting for data above which the accelerator starves.
     """
@@ -233,10 +245,13 @@ class TrainingSession:
 
     # ---- components (before start) -----------------------------------------------------------------------------
 
-    def use_health(self, config: HealthConfig, *, nvml: Any = None) -> HealthGuard:
-        """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group)."""
+    def use_health(
+        self, config: HealthConfig, *, nvml: Any = None, signals: SignalWatcher | None = None
+    ) -> HealthGuard:
+        """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group).
+        ``signals``: the adapter's watcher of stop signals, installed before the session existed."""
         if self.guard is None:
-            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_event])
+            self.guard = HealthGuard(config, nvml=nvml, listeners=[self._health_event], signals=signals)
         return self.guard
 
     def _health_event(self, event: FaultEvent) -> None:
@@ -426,7 +441,7 @@ class TrainingSession:
         if self.is_main:
             sizes = self.manager.config.verify == "size"
             checks = "sizes and small files' checksums" if sizes else "every file's checksum"
-            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path})"
+            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}) in {seconds:.1f} s"
             log.info("%s, verified: %s%s", where, checks, f"; {position}" if position else "")
         saved_rng = restored.rank_state.get("rng") if isinstance(restored.rank_state, dict) else None
         if saved_rng is not None:
@@ -442,6 +457,12 @@ class TrainingSession:
         call does nothing, so an adapter may call it wherever training may begin)."""
         if self.started:
             return
+        if self.guard is None and os.environ.get(INJECT_ENV_VAR, "").strip():
+            raise ConfigError(
+                f"{INJECT_ENV_VAR}={os.environ[INJECT_ENV_VAR]!r} plans a fault drill, but this run does not watch "
+                "health, so nothing would be injected: add HealthGuardCallback() to the Trainer (Lightning), or set "
+                "ACCELERATE_RESILIENCE_HEALTH=1 (Accelerate), or unset the variable"
+            )
         self.manager.claim(resumed_from=step if self.manager.saved(step) is not None else None)
         self.started = True
         self._start_step = step
@@ -679,7 +700,7 @@ class TrainingSession:
         self.last_plan = chosen
         self._emit(chosen.metrics(self._auto_steps))
         if self.is_main:
-            log.info("every_n_steps='auto': %s", chosen.describe())
+            log.info("every_n_steps='auto': the next save at step %d; %s", self._next_auto_step, chosen.describe())
 
     # ---- metrics ---------------------------------------------------------------------------------------------
 

@@ -185,3 +185,39 @@ def test_resume_into_a_different_job_says_what_differs(tmp_path: Path) -> None:
         pytest.raises(CheckpointError, match="holds 1 objects registered for checkpointing but this run registered 2"),
     ):
         resilience.resume()
+
+
+def test_load_state_right_after_save_state_restores_what_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollback: save_state(), change the model, load_state() at once. The save is still being written (each
+    write in the helper process waits 1.5 s first), so the load must wait for its commit, not find nothing."""
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.helper_faults")
+    monkeypatch.setenv("TEST_HELPER_FAULT", "slow_write")
+    monkeypatch.setenv("TEST_SLOW_WRITE_S", "1.5")
+    job = new_job()
+    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+        train(job, resilience, resilience.resume(), stop_at=2)  # ends with accelerator.save_state()
+        saved = final_state(job)
+        assert committed_steps(tmp_path) == [], "the save must still be in flight for this test to mean anything"
+        with torch.no_grad():
+            for parameter in job.model.parameters():
+                parameter.add_(1.0)
+        point = job.accelerator.load_state()
+        assert point.restored and point.global_step == 2
+        assert committed_steps(tmp_path) == [2]
+        restored = final_state(job)
+    for name, tensor in saved["model"].items():
+        assert torch.equal(restored["model"][name], tensor), name
+
+
+def test_a_fault_drill_without_health_says_so_instead_of_doing_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM drill that ran to the end with exit 0 made a user believe preemption handling worked."""
+    monkeypatch.setenv("RESILIENCE_INJECT", "signal=SIGTERM@step=2")
+    job = new_job()
+    resilience = attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="thread"))
+    with pytest.raises(ConfigError, match=r"RESILIENCE_INJECT=.* this run does not watch health.*HEALTH=1"):
+        resilience.save()
+    resilience.close()

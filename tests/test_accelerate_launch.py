@@ -234,6 +234,8 @@ def test_preemption_saves_on_every_rank_and_an_elastic_restart_resumes(
     for rank in (0, 1):
         assert f"rank {rank}: emergency save of step 9 committed locally" in log, log[-4000:]
     assert "exitcode  : 75" in log or "exitcode: 75" in log, log[-4000:]
+    # with no logging set up by the script, the resume is still said, once (the main process), with its time
+    assert log.count("resilience: Restored step 9 from the local tier") == 1, log[-4000:]
     point = got[0]["resume"]
     assert (point["epoch"], point["batch_in_epoch"], point["global_step"]) == (1, 4, 9)
     assert_same_training(got, reference)

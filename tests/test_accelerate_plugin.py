@@ -128,3 +128,13 @@ def test_missing_local_dir_says_how_to_give_one() -> None:
     with pytest.raises(ConfigError, match="set ACCELERATE_RESILIENCE_LOCAL_DIR, or give the Accelerator a Project"):
         plugin.checkpoint_config()
     assert plugin.checkpoint_config(local_dir="/proj/resilience", keep_last=5).keep_last == 5
+
+
+def test_a_gpu_fault_drill_turns_nvml_on_also_without_cuda(clean_env: pytest.MonkeyPatch) -> None:
+    """On CPU NVML is off (it would report another GPU), but a drill's GPU faults go through NVML's stand-in:
+    ``ACCELERATE_RESILIENCE_HEALTH=1`` with ``RESILIENCE_INJECT="xid=79@..."`` must work with no code change."""
+    assert not ResiliencePlugin().health_config(cuda=False).nvml
+    clean_env.setenv("RESILIENCE_INJECT", "xid=79@step=3,rank=1")
+    assert ResiliencePlugin().health_config(cuda=False).nvml
+    clean_env.setenv("RESILIENCE_INJECT", "signal=SIGTERM@step=3")  # a signal needs no NVML
+    assert not ResiliencePlugin().health_config(cuda=False).nvml

@@ -12,6 +12,7 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager, __version__
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
+from resilience.goodput import GoodputLedger
 from tests.helpers import ROOT, base_env
 
 
@@ -63,3 +64,51 @@ def test_version_and_a_closed_pipe(root: Path) -> None:
         text=True,
     )
     assert "Traceback" not in piped.stderr and "BrokenPipe" not in piped.stderr
+
+
+def modules_loaded_by(*args: str) -> set[str]:
+    """The top-level packages a ``resilience`` command imported, as the installed entry point runs it."""
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = ['resilience', *{list(args)!r}]\n"
+        "try:\n"
+        "    runpy.run_module('resilience.cli', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('MODULES', ' '.join(sorted({name.split('.')[0] for name in sys.modules})), file=sys.stderr)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=base_env(), capture_output=True, text=True, check=True
+    )
+    line = next(line for line in done.stderr.splitlines() if line.startswith("MODULES "))
+    return set(line.split()[1:])
+
+
+def test_version_help_and_ls_do_not_import_torch(root: Path, tmp_path: Path) -> None:
+    """Importing torch (and DCP) took 2 to 7 s, and ``resilience --version`` paid it: only the commands that read
+    tensors import it."""
+    GoodputLedger(tmp_path / "run").end()
+    for args in (
+        ["--version"],
+        ["--help"],
+        ["ls", str(root)],
+        ["verify", str(root)],
+        ["report", str(tmp_path / "run")],
+    ):
+        loaded = modules_loaded_by(*args)
+        assert "resilience" in loaded and "torch" not in loaded, args
+
+
+def test_ls_of_the_run_folder_names_the_checkpoint_root_below_it(root: Path, tmp_path: Path) -> None:
+    """``resilience ls RUN`` for ``RUN/ckpt`` printed "no checkpoints found" and exited 0: it exits 3 and says
+    where the checkpoints are, with the command that lists them."""
+    above = run("ls", str(tmp_path))
+    assert above.returncode == EXIT_NOT_FOUND, above
+    assert f"no checkpoints in {tmp_path}" in above.stderr
+    assert f"{root} (1 step)" in above.stderr and f"Run: resilience ls {root}" in above.stderr
+    listed = run("ls", str(root))
+    assert listed.returncode == EXIT_OK and "step-3" in listed.stdout
+    (tmp_path / "empty").mkdir()
+    empty = run("ls", str(tmp_path / "empty"), "--json")
+    assert empty.returncode == EXIT_NOT_FOUND and empty.stdout.strip() == "[]"
+    assert "no step-<N> folder there" in empty.stderr

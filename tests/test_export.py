@@ -285,6 +285,46 @@ def test_export_command_exit_codes(accelerate_job: tuple[Job, Path], tmp_path: P
     assert not (tmp_path / "z.pt").exists()  # verified first: nothing written from a corrupt step
 
 
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "resilience.cli", *args], cwd=ROOT, env=base_env(), capture_output=True, text=True
+    )
+
+
+def test_a_safetensors_file_name_is_written_as_one_file_that_load_file_reads(tmp_path: Path) -> None:
+    """``export ROOT model.safetensors --format safetensors`` made a directory of that name, which ``load_file``
+    could not open: a name with the format's suffix is one file; the weights go to a directory only above
+    ``--max-shard-size``, and the command says so."""
+    weights = {"w": torch.arange(120.0).reshape(10, 12), "b": torch.ones(10), "step": torch.tensor(3)}
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt")) as manager:
+        manager.save(3, {"model": weights})
+    root, out = str(tmp_path / "ckpt"), tmp_path / "model.safetensors"
+    done = run_cli("export", root, str(out), "--format", "safetensors", "--weights", "model")
+    assert done.returncode == EXIT_OK, done.stderr
+    assert out.is_file() and f"-> {out} " in done.stdout
+    assert_same(load_file(out), weights)
+    again = run_cli("export", root, str(out), "--format", "safetensors", "--weights", "model")
+    assert again.returncode == EXIT_ERROR and "--overwrite" in again.stderr
+
+    big = str(tmp_path / "big.safetensors")
+    split = run_cli("export", root, big, "--format", "safetensors", "--weights", "model", "--max-shard-size", "300")
+    assert split.returncode == EXIT_OK, split.stderr
+    folder = tmp_path / "big"
+    assert not (tmp_path / "big.safetensors").exists()
+    assert f"in the directory {folder}" in split.stderr and "exceed --max-shard-size (300 bytes)" in split.stderr
+    index = json.loads((folder / INDEX).read_text())
+    loaded = {name: load_file(folder / file)[name] for name, file in index["weight_map"].items()}
+    assert_same(loaded, weights)
+
+    torch_out = tmp_path / "model.pt"
+    done = run_cli("export", root, str(torch_out), "--format", "torch", "--weights", "model", "--weights-only")
+    assert done.returncode == EXIT_OK and torch_out.is_file(), done.stderr
+    assert_same(torch.load(torch_out, weights_only=True), weights)
+    wrong = run_cli("export", root, str(tmp_path / "w.safetensors"), "--format", "torch", "--weights", "model")
+    assert wrong.returncode == EXIT_ERROR and "--format safetensors" in wrong.stderr
+    assert not (tmp_path / "w.safetensors").exists()
+
+
 def test_lightning_format_needs_a_lightning_run(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not Lightning.*--format torch"):
         export(str(accelerate_job[1]), str(tmp_path / "a.ckpt"), format="lightning")

@@ -33,7 +33,7 @@ def test_plan_uses_the_median_cost_and_reports_what_it_expects() -> None:
     # At the optimum, blocking and lost work cost the same: 10/600 + 600/36000.
     assert plan.expected_waste == pytest.approx(2 * 10 / 600)
     assert plan.to_dict()["interval_steps"] == 400
-    assert "save every 600 s (400 steps)" in plan.describe()
+    assert plan.describe().startswith("save every 10 min (400 steps of 1.50 s): a save blocks training 10.00 s")
 
 
 def test_mtbf_observed_from_the_run_ledger(tmp_path: Path) -> None:
@@ -82,3 +82,20 @@ def test_plan_metrics_for_loggers() -> None:
         "checkpoint/expected_lost_s_per_failure": pytest.approx(120.0),
         "checkpoint/mtbf_s": 7_200.0,
     }
+
+
+def test_the_plan_is_described_in_words_a_user_can_check() -> None:
+    """Before a failure the MTBF is a prior, and the text says so; a job that fails more often than it can save
+    gets no impossible figure (the first-order formula gives over 100% of the time lost)."""
+    planner = AdaptiveInterval(world_size=2, min_s=60)
+    first = planner.plan(step_s=0.12).describe()
+    assert first.startswith("save in 60 s (500 steps of 0.12 s), to measure what a save costs")
+    planner.observe_cost(0.02)
+    text = planner.plan(step_s=0.12).describe()
+    assert "a prior: one failure per 5.8 GPU-years, Llama 3's rate, over 2 GPUs; no failure in this run" in text
+    assert "expected to fail every 2.9 years" in text and "under 0.01% of the time in saves" in text
+    planner.observe_run(uptime_s=20.0, failures=1)
+    plan = planner.plan(step_s=0.12)
+    assert plan.expected_waste > 1 and "%" not in plan.describe().split("Expected:")[1].split(",", 2)[2]
+    assert "held at min_interval_s=60" in plan.describe() and "1 failure in 20 s of this run" in plan.describe()
+    assert "fails more often than saves can keep up with" in plan.describe()

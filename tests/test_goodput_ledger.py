@@ -12,6 +12,7 @@ import pytest
 
 from resilience.errors import ResilienceError
 from resilience.goodput import GoodputLedger, summarize
+from resilience.goodput.ledger import pending_path
 from resilience.goodput.summary import read_events
 from tests.helpers import WORKERS, base_env, kill_tree
 from tests.workers.goodput_sim import FakeClock, incarnation
@@ -126,6 +127,43 @@ def test_a_fresh_restart_loses_everything_done_before(tmp_path: Path) -> None:
     incarnation(tmp_path, t, restore=0, steps=10)  # restore found nothing: restored(None, ...)
     summary = summarize(tmp_path)
     assert summary.incarnations[1].redone_steps == 10 and summary.buckets["lost"] == pytest.approx(10.0)
+
+
+def test_a_kill_between_spans_keeps_the_pending_span_and_a_stale_one_is_ignored(tmp_path: Path) -> None:
+    """Killed 30 steps into a 1000 s span: the pending span (side file) holds the steps and their time; an older
+    pending span than the last written span adds nothing; without the side file a saved step is still reached."""
+    clock = FakeClock(1_000.0)
+    ledger = clock.ledger(tmp_path, span_s=1000.0)
+    clock.now += 10.0
+    ledger.startup_done()
+    for step in range(1, 31):
+        clock.now += 1.0
+        ledger.step_end(step)
+        if step == 20:
+            clock.now += 2.0
+            ledger.checkpoint_stall(2.0, step)
+    assert ledger.path is not None
+    pending = pending_path(ledger.path)
+    (killed,) = summarize(tmp_path).incarnations  # no end record: a kill, as far as the files tell
+    assert (killed.first_step, killed.last_step, killed.end - killed.start) == (1, 30, pytest.approx(42.0))
+    assert killed.buckets["productive"] == pytest.approx(30.0) and killed.buckets["checkpoint"] == pytest.approx(2.0)
+
+    ledger.flush()  # a span written after the pending one: the side file is stale now
+    clock.now += 5.0  # ... and a kill before the next step ends
+    (flushed,) = summarize(tmp_path).incarnations
+    assert flushed.last_step == 30 and flushed.buckets["productive"] == pytest.approx(30.0)
+    ledger.end()
+    assert not pending.exists()  # only a killed incarnation leaves one
+
+    older = FakeClock(1_000.0).ledger(tmp_path / "older", span_s=1000.0)
+    older.startup_done()
+    for step in (1, 2):
+        older.step_end(step)
+    older.checkpoint_stall(1.0, 2)
+    assert older.path is not None
+    pending_path(older.path).unlink()  # as a ledger without side files leaves it: the last span is startup's
+    (without,) = summarize(tmp_path / "older").incarnations
+    assert without.last_step == 2  # the step it saved
 
 
 def test_only_rank_zero_writes(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from resilience.cli import main as cli
 from resilience.goodput.summary import BUCKETS
+from tests.helpers import WORKERS, base_env, kill_tree
 from tests.workers.goodput_sim import incarnation
 
 
@@ -67,3 +69,51 @@ def test_missing_matplotlib_names_the_extra(
 def test_no_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli(["report", str(tmp_path)]) == 3  # no run there
     assert "no goodput ledger" in capsys.readouterr().err
+
+
+def worker(run_dir: Path, restore: int, steps: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKERS / "goodput_worker.py"), str(run_dir), str(restore), str(steps), *flags],
+        env=base_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_a_kill_between_spans_reports_the_step_reached_and_the_steps_redone(tmp_path: Path) -> None:
+    """A run killed with SIGKILL at step 46, 10 s spans (the default) apart: the report said "reached 9", redone 0,
+    lost 0, as the last span written was all it read, though the next incarnation trained steps 41-46 again.
+    The step reached at the kill and the time since the last span reach the ledger at every step."""
+    killed_at, resumed_at = 46, 40
+    first = worker(tmp_path, -1, 100_000, "--span-s", "10", "--progress")
+    try:
+        assert first.stdout is not None
+        seen = [first.stdout.readline() for _ in range(killed_at)]
+        assert seen[-1].strip() == f"step {killed_at}", seen[-3:]
+    finally:
+        kill_tree(first)
+        first.wait(timeout=30)
+    assert first.returncode == -9
+    second = worker(tmp_path, resumed_at, 10)
+    out, _ = second.communicate(timeout=60)
+    assert second.returncode == 0 and out.strip() == f"reached {resumed_at + 10}", out
+
+    ran = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "report", str(tmp_path), "--json"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(ran.stdout)
+    killed, resumed = report["incarnations"]
+    assert killed["end_reason"] is None and killed["failed"]
+    # It went on for a few steps between our reading "step 46" and the kill: the ledger has what it reached.
+    assert killed["last_step"] is not None and killed_at <= killed["last_step"] < killed_at + 50, killed
+    assert resumed["restored_step"] == resumed_at
+    assert resumed["redone_steps"] == killed["last_step"] - resumed_at
+    assert killed["lost_s"] > 0 and report["buckets"]["lost"] == pytest.approx(killed["lost_s"])
+    assert killed["buckets"]["productive"] > 0
+    assert sum(report["buckets"].values()) == pytest.approx(report["wall_s"])

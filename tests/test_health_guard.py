@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -42,6 +43,18 @@ def make_guard(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Health
     yield make
     for guard in guards:
         guard.close()
+
+
+def test_no_nvml_is_said_once_per_node(
+    make_guard: Callable[..., HealthGuard], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No driver holds for the whole node: its first rank says so, the others only at DEBUG (1,024 ranks, 128
+    lines, not 1,024)."""
+    caplog.set_level(logging.DEBUG, logger="resilience")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    make_guard()
+    notices = [r for r in caplog.records if "GPU health is not monitored" in r.getMessage()]
+    assert [r.levelno for r in notices] == [logging.DEBUG] and "on this node" in notices[0].getMessage()
 
 
 def test_no_nvml_still_handles_signals(

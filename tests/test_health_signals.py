@@ -85,3 +85,37 @@ def test_signal_names_and_numbers() -> None:
     assert parse_signal(str(int(signal.SIGINT))) is signal.SIGINT
     with pytest.raises(ConfigError, match="unknown signal 'SIGFOO'"):
         parse_signal("SIGFOO")
+
+
+def test_a_handler_put_back_after_restore_passes_the_signal_on(previous: list[int]) -> None:
+    """Lightning keeps the handler it found when a fit began and puts it back when the fit ends, after the guard gave
+    its own back: the watcher's handler then acts as the one from before (here a Python handler; for SIG_DFL, the
+    default action)."""
+    watcher = SignalWatcher(["SIGUSR1"], EventLog(rank=0), FaultTable())
+    watcher.install()
+    kept = signal.getsignal(signal.SIGUSR1)
+    watcher.restore()
+    signal.signal(signal.SIGUSR1, kept)  # what Lightning's signal connector does at the end of a fit
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert previous == [signal.SIGUSR1] and watcher.drain() == []
+
+
+def test_a_child_forked_from_the_training_process_is_not_held_by_the_watcher() -> None:
+    """A process forked after the watcher took SIGTERM over (a user's fork pool) dies of SIGTERM as it would
+    without the pack: a pool's terminate() at exit must not hang on a child that swallowed it."""
+    watcher = SignalWatcher(["SIGTERM"], EventLog(rank=0), FaultTable())
+    watcher.install()
+    try:
+        ready, tell = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(tell, b"1")  # a signal that came before the child's interpreter was ready would be dropped
+            time.sleep(30)
+            os._exit(0)
+        os.read(ready, 1)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        watcher.restore()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert watcher.drain() == [], "the child's signal is not the training process's"

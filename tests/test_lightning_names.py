@@ -262,3 +262,19 @@ def test_a_save_right_before_the_script_ends_is_committed_and_uploaded(tmp_path:
     assert (tmp_path / "ckpt" / "step-4" / "manifest.json").exists()
     assert (tmp_path / "durable" / "step-4" / "manifest.json").exists(), "the exit waited for the upload"
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_the_resume_marker_is_a_json_file_and_an_old_ckpt_marker_still_reads(tmp_path: Path) -> None:
+    """AutoResume's pointer is no checkpoint, so it is not named like one (users tried torch.load on
+    ``resume.ckpt``); a root written before keeps working."""
+    from resilience.config import CheckpointConfig
+    from resilience.names import resolve, write_resume_marker
+
+    path = write_resume_marker(tmp_path)
+    assert os.path.basename(path) == "resume.json"
+    assert json.loads(Path(path).read_text())["note"].startswith("not a checkpoint")
+    old = tmp_path / "resume.ckpt"
+    old.write_text(Path(path).read_text())
+    config = CheckpointConfig(local_root=str(tmp_path))
+    assert resolve(path, None, config) == (None, None)  # "the newest committed checkpoint that verifies"
+    assert resolve(str(old), None, config) == (None, None)

@@ -6,15 +6,18 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader
 
-from examples.demo_model import DemoData, DemoModel
+from examples.demo_model import DemoData, DemoModel, Points
 from lightning_resilience import AutoResume, GoodputMonitor, PeriodicCheckpoint, ResilientCheckpointIO
 from tests.helpers import ROOT, base_env
 
@@ -181,3 +184,70 @@ def test_the_packs_log_lines_follow_lightnings_logger(tmp_path: Path, level: str
     assert list((tmp_path / "ckpt" / "quarantine").iterdir()), "the corrupt step was set aside"
     said = "quarantined corrupt step 8" in resumed.stderr
     assert said == (level == "INFO"), resumed.stderr
+
+
+class SlowPoints(Points):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(0.01)
+        return super().__getitem__(index)
+
+
+class SlowData(DemoData):
+    def train_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(SlowPoints(self.size), batch_size=self.batch_size)
+
+
+def test_a_starving_lightning_loader_gets_a_diagnosis_from_its_settings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under Lightning the pack reads the training loader's settings itself: the warning names the cause (here no
+    workers), not a monitor call a Lightning user cannot reach."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="thread")],
+        callbacks=[GoodputMonitor(window_steps=5)],
+        logger=False,
+        max_steps=10,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(DemoModel(), SlowData())
+    starving = [r.getMessage() for r in caplog.records if "num_workers=0" in r.getMessage()]
+    assert starving, [r.getMessage() for r in caplog.records if "wait" in r.getMessage()]
+    assert not any("watch()" in r.getMessage() for r in caplog.records)
+
+
+class ValidatedModel(DemoModel):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
+
+class ValidatedData(DemoData):
+    def val_dataloader(self) -> DataLoader[tuple[torch.Tensor, torch.Tensor]]:
+        return DataLoader(Points(8), batch_size=4)
+
+
+def test_validate_best_after_a_fit_with_one_model_checkpoint_does_not_warn_of_several(tmp_path: Path) -> None:
+    """Lightning counts AutoResume among the ModelCheckpoints: with one of the user's, its "multiple" warning is
+    noise; "best" still loads that ModelCheckpoint's best file."""
+    best = ModelCheckpoint(monitor="train_loss", save_top_k=1, every_n_train_steps=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="thread")],
+        callbacks=[best, AutoResume()],
+        logger=False,
+        max_steps=8,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    model, data = ValidatedModel(), ValidatedData()
+    trainer.fit(model, data)
+    with warnings.catch_warnings(record=True) as caught:  # the filters in force stay as they are
+        trainer.validate(model, data, ckpt_path="best")
+    assert not [w for w in caught if "multiple `ModelCheckpoint`" in str(w.message)], [str(w.message) for w in caught]
+    assert trainer.ckpt_path == best.best_model_path and best.best_model_path

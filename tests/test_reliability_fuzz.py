@@ -1,10 +1,12 @@
 """Crash fuzzing: SIGKILL a 2-rank gloo training run at random moments, then resume and check what comes back.
 
 Each trial is drawn from one seed: which phase of a save to die in (staging, shard writes, manifest write,
-upload, retention delete, or a kill from outside at a random time), which rank, at which occurrence of the
-phase and after what delay, how long the surviving rank runs on before the launcher tears the job down,
-whether the durable tier is a ``file://`` directory or moto's S3 server, whether the node's local disk is
-lost too, and whether the job resumes on 1 or 2 ranks. After the kill:
+upload, retention delete, or a kill from outside at a random time), how the rank dies (SIGKILL of the training
+process and its helper, or SIGTERM to the rank's whole process group as a scheduler stops a job: the helpers
+ignore it and end with the training process, which has no health guard here and dies of it), which rank, at
+which occurrence of the phase and after what delay, how long the surviving rank runs on before the launcher
+tears the job down, whether the durable tier is a ``file://`` directory or moto's S3 server, whether the
+node's local disk is lost too, and whether the job resumes on 1 or 2 ranks. After the kill:
 
 * every checkpoint that has a manifest verifies in full (a kill never leaves a partial commit);
 * the newest of them is at least the newest commit the dead run reported (nothing committed is lost; the
@@ -38,7 +40,7 @@ from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_rank
 WORKER = WORKERS / "reliability_fuzz.py"
 KILL_PHASES = ("staging", "shards", "manifest", "upload", "retention", "timer")
 MAX_DELAY_S = {"staging": 0.005, "shards": 0.05, "manifest": 0.005, "upload": 0.05, "retention": 0.005}
-DEFAULT_TRIALS = 1
+DEFAULT_SEEDS = (0, 11)  # SIGKILL in staging; SIGTERM from outside to one rank's process group, or both
 FULL_TRIALS = int(os.environ.get("RESILIENCE_FUZZ_TRIALS", "30"))
 TRIAL_TIMEOUT_S = 180.0
 
@@ -47,6 +49,7 @@ TRIAL_TIMEOUT_S = 180.0
 class Plan:
     seed: int
     phase: str
+    delivery: str  # "kill": SIGKILL; "stop": SIGTERM to the rank's process group, then SIGKILL (the launcher)
     rank: int | None  # the rank that dies first; None: both at once (timer only)
     occurrence: int
     delay_s: float
@@ -68,6 +71,7 @@ def plan_for(seed: int) -> Plan:
     return Plan(
         seed=seed,
         phase=phase,
+        delivery="stop" if (seed // len(KILL_PHASES)) % 2 else "kill",  # every phase both ways, 6 seeds each
         rank=rank,
         occurrence=rng.randint(1, 6),
         delay_s=round(delay, 4),
@@ -82,8 +86,8 @@ def trial_seeds() -> list[Any]:
     if "RESILIENCE_FUZZ_SEED" in os.environ:
         return [int(os.environ["RESILIENCE_FUZZ_SEED"])]
     return [
-        pytest.param(seed, marks=() if seed < DEFAULT_TRIALS else pytest.mark.slow)
-        for seed in range(DEFAULT_TRIALS + FULL_TRIALS)
+        pytest.param(seed, marks=() if seed in DEFAULT_SEEDS else pytest.mark.slow)
+        for seed in range(max(DEFAULT_SEEDS) + 1 + FULL_TRIALS)
     ]
 
 
@@ -174,16 +178,15 @@ def supervise(procs: list[subprocess.Popen[str]], plan: Plan, traces: Path, logs
         time.sleep(plan.delay_s)
         for rank, proc in enumerate(procs):
             if plan.rank in (None, rank):
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGTERM if plan.delivery == "stop" else signal.SIGKILL)
     first_death: float | None = None
     while any(p.poll() is None for p in procs):
         assert time.monotonic() < deadline, f"the run did not end within {TRIAL_TIMEOUT_S}s\n{outputs(logs)}"
         if first_death is None and (dead := [p.returncode for p in procs if p.poll() is not None]):
             first_death = time.monotonic()
             assert 0 not in dead, f"the planned kill never happened: the run finished\n{outputs(logs)}"
-            assert -signal.SIGKILL in dead, (
-                f"ranks ended with {dead} before any kill: the engine failed\n{outputs(logs)}"
-            )
+            killed_by = -signal.SIGTERM if plan.delivery == "stop" else -signal.SIGKILL
+            assert killed_by in dead, f"ranks ended with {dead} before any kill: the engine failed\n{outputs(logs)}"
         if first_death is not None and time.monotonic() - first_death >= plan.grace_s:
             for proc in procs:
                 kill_tree(proc)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from resilience.errors import ConfigError
+
 
 def raw_bytes(value: torch.Tensor | torch.UntypedStorage) -> memoryview:
     """The bytes of a CPU tensor in row-major order (or of a storage), without a copy when it is contiguous."""
@@ -16,3 +18,20 @@ def raw_bytes(value: torch.Tensor | torch.UntypedStorage) -> memoryview:
         value = torch.empty(0, dtype=torch.uint8).set_(value)
     flat = value.detach().contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+# The suffixes that name each format's single file: a name of another format's is a mistake worth stopping.
+SUFFIXES = {"lightning": (".ckpt",), "torch": (".pt", ".pth", ".bin"), "safetensors": (".safetensors",)}
+
+
+def check_suffix(out: str, format: str) -> None:
+    """Refuse ``model.safetensors`` with ``--format torch`` and the reverse: the file would not load as named
+    (a Lightning ``.ckpt`` and a ``torch.save`` file are both ``torch.load``'s, so either takes the other's)."""
+    name = out.rstrip("/").lower()
+    for other, suffixes in SUFFIXES.items():
+        if "safetensors" in (other, format) and other != format and name.endswith(suffixes):
+            raise ConfigError(
+                f"{out} names a {other} file, but --format {format} was asked for: give --format {other}, or a "
+                f"name ending in {' or '.join(SUFFIXES[format])}"
+                + (" (or a directory's)" if format == "safetensors" else "")
+            )

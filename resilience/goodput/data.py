@@ -127,7 +127,8 @@ def diagnose(window: DataWindow, loader: LoaderInfo | None) -> tuple[str, str]:
             "prefetch_factor"
         )
     return "unknown", (
-        f"{per_step_ms:.1f} ms wait per step; pass the DataLoader to DataWaitMonitor.watch() for a diagnosis"
+        f"{per_step_ms:.1f} ms wait per step, from a loader whose settings could not be read (not a torch "
+        "DataLoader, or several): check its workers and its reads"
     )
 
 

@@ -43,6 +43,10 @@ class IntervalPlan:
     expected_overhead: float
     expected_lost_s_per_failure: float
     expected_waste: float
+    uptime_s: float = 0.0
+    failures: int = 0
+    gpus: int = 1
+    bounds: tuple[float, float] = (0.0, math.inf)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -58,14 +62,50 @@ class IntervalPlan:
         }
 
     def describe(self) -> str:
-        steps = f" ({self.interval_steps} steps)" if self.interval_steps is not None else ""
-        cost = f"{self.cost_s:.2f} s blocking per save" if self.cost_s is not None else "no save measured yet"
-        return (
-            f"save every {self.interval_s:.0f} s{steps}{' (clamped)' if self.clamped else ''}: {cost}, "
-            f"MTBF {self.mtbf_s / 3600:.1f} h ({self.mtbf_source}); expected overhead "
-            f"{100 * self.expected_overhead:.2f}%, {self.expected_lost_s_per_failure:.0f} s of work lost per "
-            f"failure, {100 * self.expected_waste:.2f}% of time wasted in all"
+        """The plan in words a user can check: the interval, and the two figures it comes from."""
+        steps = f" ({self.interval_steps} steps of {self.step_s:.2f} s)" if self.interval_steps and self.step_s else ""
+        if self.cost_s is None:
+            return (
+                f"save in {_duration(self.interval_s)}{steps}, to measure what a save costs; the interval is "
+                f"then planned from that cost and how often the job fails ({self._failure_text()})"
+            )
+        low, high = self.bounds
+        bound = f"; held at min_interval_s={low:g}" if self.clamped and self.interval_s <= low else ""
+        bound = f"; held at max_interval_s={high:g}" if self.clamped and self.interval_s >= high else bound
+        waste = (
+            f"{_percent(self.expected_waste)} of the time lost in all"
+            if self.expected_waste < 1
+            else "the job fails more often than saves can keep up with: each failure redoes half an interval"
         )
+        return (
+            f"save every {_duration(self.interval_s)}{steps}{bound}: a save blocks training {self.cost_s:.2f} s, "
+            f"and the job is expected to fail every {_duration(self.mtbf_s)} ({self._failure_text()}). Expected: "
+            f"{_percent(self.expected_overhead)} of the time in saves, {_duration(self.expected_lost_s_per_failure)} "
+            f"of work redone per failure, {waste}"
+        )
+
+    def _failure_text(self) -> str:
+        seen = f"{_duration(self.uptime_s)} of this run" if self.uptime_s >= 1 else "this run so far"
+        if self.mtbf_source == "given":
+            return "mtbf_hours, as configured"
+        if self.mtbf_source == "observed":
+            return f"{self.failures} failure{'s' if self.failures != 1 else ''} in {seen}"
+        return (
+            f"a prior: one failure per {PER_GPU_MTBF_S / (365 * 86400):.1f} GPU-years, Llama 3's rate, over "
+            f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}; no failure in {seen}"
+        )
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.2f}%" if fraction >= 0.0001 else "under 0.01%"
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a person reads them: 45 s, 12 min, 3.5 h, 2.1 days, 3.0 years."""
+    for unit, size in (("years", 365 * 86400.0), ("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit != "min" else f"{seconds / size:.0f} min"
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
 
 class AdaptiveInterval:
@@ -92,7 +132,8 @@ class AdaptiveInterval:
         if min_s <= 0 or max_s < min_s:
             raise ValueError(f"min_s={min_s}, max_s={max_s}: need 0 < min_s <= max_s")
         self.mtbf_s = mtbf_s
-        self.prior_mtbf_s = PER_GPU_MTBF_S / max(1, world_size)
+        self.gpus = max(1, world_size)
+        self.prior_mtbf_s = PER_GPU_MTBF_S / self.gpus
         self.min_s = min_s
         self.max_s = max_s
         self._costs: deque[float] = deque(maxlen=history)
@@ -145,4 +186,8 @@ class AdaptiveInterval:
             expected_overhead=(cost or 0.0) / interval,
             expected_lost_s_per_failure=interval / 2.0,
             expected_waste=(cost or 0.0) / interval + interval / (2.0 * mtbf_s),
+            uptime_s=self._uptime_s,
+            failures=self._failures,
+            gpus=self.gpus,
+            bounds=(self.min_s, self.max_s),
         )

@@ -6,7 +6,8 @@ Two things only become known across incarnations, so they are worked out here ra
   after ``s`` is thrown away and will be redone. That productive time moves to ``lost`` (it is not counted
   twice). A span's steps are taken as equally long, so a span straddling ``s`` gives up its share.
 * **Downtime.** The time between one incarnation's last record and the next one's process start: the job was
-  down, queued, or hung (a killed incarnation loses at most its last ``span_s`` of account, which lands here).
+  down, queued, or hung. A killed incarnation's last record is its pending span (``*.pending.json``, written at
+  each step's end between spans, at most every 10 ms): what it did after its last step ended lands here.
 
 The buckets add up to the wall time by construction: within an incarnation the ledger fills them from
 contiguous spans, lost time is moved rather than added, and downtime is the gaps between incarnations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from resilience.errors import ResilienceError
-from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, LOAD_PARTS, ledger_dir
+from resilience.goodput.ledger import COMPLETED, LEDGER_DIR, LOAD_PARTS, ledger_dir, pending_path
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +216,11 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
     start = next((r for r in records if r["e"] == "start"), None)
     if start is None:
         return None
-    spans = [
-        Span(r["t0"], r["t1"], r.get("s", {}), r.get("first_step"), r.get("last_step"), r.get("steps", 0))
-        for r in records
-        if r["e"] == "span"
-    ]
+    spans = [_span(r) for r in records if r["e"] == "span"]
+    end = next((r for r in reversed(records) if r["e"] == "end"), None)
+    if end is None:  # killed, or still running: the steps and time since its last span are in the side file
+        pending = _pending_span(path, spans[-1].t1 if spans else float(start["t"]))
+        spans += [pending] if pending is not None else []
     buckets = dict.fromkeys(BUCKETS, 0.0)
     for span in spans:
         for name, seconds in span.seconds.items():
@@ -235,8 +236,10 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         "in_place_s": max(0.0, float(restore.get("seconds", 0.0)) - sum(loading.values())),
         "first_step_s": float(first.get("seconds", 0.0)),
     }
-    end = next((r for r in reversed(records) if r["e"] == "end"), None)
     first_step = stepped[0].first_step if stepped else None
+    # A checkpoint's step was reached, even where no span of that step survives (a ledger without side files).
+    saved = [r["step"] for r in records if r["e"] == "checkpoint" and isinstance(r.get("step"), int)]
+    last_step = max([*(s.last_step for s in stepped if s.last_step is not None), *saved], default=None)
     restored_step: int | None
     if restores:  # a restore that found nothing (step None) is a fresh start: every earlier step is redone
         restored_step = restore.get("step")
@@ -256,12 +259,41 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         restored_step=restored_step,
         restore_inferred=not restores,
         first_step=first_step,
-        last_step=max((s.last_step for s in stepped if s.last_step is not None), default=None),
+        last_step=last_step,
         buckets=buckets,
         spans=spans,
         events=[r for r in records if r["e"] not in ("start", "span")],
         recovery=recovery,
     )
+
+
+def _span(record: dict[str, Any]) -> Span:
+    return Span(
+        record["t0"],
+        record["t1"],
+        record.get("s", {}),
+        record.get("first_step"),
+        record.get("last_step"),
+        record.get("steps", 0),
+    )
+
+
+def _pending_span(ledger_file: Path, after: float) -> Span | None:
+    """The span a killed incarnation had not written yet (its side file), when it follows the last one written
+    (``after``): the steps it reached and the time it trained since. A stale, torn or odd file counts as none."""
+    try:
+        record = json.loads(pending_path(ledger_file).read_bytes())
+        span = _span(record)
+        valid = (
+            record.get("e") == "span"
+            and all(isinstance(v, (int, float)) for v in (span.t0, span.t1, *span.seconds.values()))
+            and all(isinstance(v, int) for v in (span.first_step, span.last_step, span.steps))
+        )
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not valid or abs(span.t0 - after) > 1e-3 or span.t1 <= span.t0:
+        return None
+    return span
 
 
 def restart_kind(before: Incarnation, inc: Incarnation) -> str:

@@ -5,7 +5,7 @@ Framework-free: adapters call :class:`HealthGuard` at step boundaries. See ``doc
 
 from resilience.health.config import EXIT_CODE_GPU_FAULT, EXIT_CODE_PREEMPTED, HealthConfig
 from resilience.health.faults import FaultEvent, FaultTable, Kind, Rule, Severity
-from resilience.health.guard import Action, Decision, EmergencySave, HealthGuard, emergency_save
+from resilience.health.guard import Action, Decision, EmergencySave, HealthGuard, emergency_save, signal_watcher
 from resilience.health.injection import Injection, InjectionSyntaxError, parse_injections
 from resilience.health.nvml import HealthMonitor
 from resilience.health.signals import SignalWatcher
@@ -33,4 +33,5 @@ __all__ = [
     "SimulatedNVML",
     "emergency_save",
     "parse_injections",
+    "signal_watcher",
 ]

@@ -39,7 +39,8 @@ class HealthConfig:
             CUDA_VISIBLE_DEVICES; see :func:`~resilience.health.nvml.default_devices`).
         poll_interval_s: Seconds between reads of ECC counters, remapped rows, clock-event reasons and the
             recovery-action field. XID and ECC events arrive without polling.
-        signals: Signals taken as preemption (SLURM sends SIGTERM, and SIGUSR1 with ``--signal``).
+        signals: Signals taken as preemption: SLURM, torchrun, ``accelerate launch`` and Kubernetes send
+            SIGTERM, SLURM SIGUSR1 with ``--signal``, ``srun`` and a terminal's Ctrl-C SIGINT.
         chain_signals: Also call the handler that was installed for a signal before.
         fault_table: Overrides merged over the default table, e.g. ``{"xid": {"13": "fatal"}}`` (see
             :mod:`resilience.health.faults`).
@@ -66,7 +67,7 @@ class HealthConfig:
     nvml: bool = True
     devices: Sequence[int | str] | None = None
     poll_interval_s: float = 5.0
-    signals: Sequence[str | int] = ("SIGTERM", "SIGUSR1")
+    signals: Sequence[str | int] = ("SIGTERM", "SIGINT", "SIGUSR1")
     chain_signals: bool = False
     fault_table: Mapping[str, Any] | None = None
     check_every_n_steps: int = 1

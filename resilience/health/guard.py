@@ -45,7 +45,7 @@ from resilience.health.events import EventLog, Listener
 from resilience.health.faults import GPU_FAULTS, FaultEvent, Severity
 from resilience.health.injection import FaultInjector, Injection, parse_injections
 from resilience.health.nvml import HealthMonitor, default_devices, load_nvml
-from resilience.health.signals import SignalWatcher
+from resilience.health.signals import SignalWatcher, hold_exit_code
 from resilience.health.simulated import SimulatedNVML
 from resilience.health.watchdog import HangWatchdog
 
@@ -203,28 +203,52 @@ def _log_emergency(rank: int, result: EmergencySave, grace_s: float) -> None:
     )
 
 
+def signal_watcher(config: HealthConfig, events: EventLog) -> SignalWatcher:
+    """The configured stop signals, ending the process with the preemption code until training begins."""
+    return SignalWatcher(
+        config.signal_numbers,
+        events,
+        config.table,
+        chain=config.chain_signals,
+        exit_code=config.exit_code_preempted,
+        exit_timeout_s=config.exit_timeout_s,
+    )
+
+
 class HealthGuard:
     """Watches GPU health, preemption signals and step times; agrees across ranks at step boundaries.
 
     Construction is collective when ``torch.distributed`` is initialised with more than one rank (it creates
-    the gloo group of the health check). Call :meth:`start` on the main thread, :meth:`on_step` at every
-    step boundary on every rank, and :meth:`close` at the end (or use ``with``).
+    the gloo group of the health check). On the main thread it also takes the stop signals over: until
+    :meth:`start`, one ends the process at once with the preemption code (nothing is trained yet; a restore
+    only reads). Call :meth:`start` on the main thread, :meth:`on_step` at every step boundary on every rank,
+    and :meth:`close` at the end (or use ``with``).
 
     Args:
         config: Settings (defaults: :class:`HealthConfig`).
         nvml: Object with the ``pynvml`` module's names to use instead of the module (tests, wrappers).
         listeners: Called with every :class:`FaultEvent`, from the thread that saw it: metrics hooks.
+        signals: The stop signals' watcher, if an adapter installed one before the guard could be made
+            (default: :func:`signal_watcher` of ``config``).
     """
 
-    def __init__(self, config: HealthConfig | None = None, *, nvml: Any = None, listeners: Iterable[Listener] = ()):
+    def __init__(
+        self,
+        config: HealthConfig | None = None,
+        *,
+        nvml: Any = None,
+        listeners: Iterable[Listener] = (),
+        signals: SignalWatcher | None = None,
+    ):
         self.config = config or HealthConfig()
         self.rank = dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0") or 0)
         self.events = EventLog(self.rank, listeners)
         timeout = timedelta(seconds=self.config.collective_timeout_s)
         self._channel = Channel(dist.new_group(backend="gloo", timeout=timeout) if is_distributed() else None)
-        self.signals = SignalWatcher(
-            self.config.signal_numbers, self.events, self.config.table, chain=self.config.chain_signals
-        )
+        self.signals = signals or signal_watcher(self.config, self.events)
+        self.signals.events = self.events
+        if threading.current_thread() is threading.main_thread():
+            self.signals.install()  # from here a stop signal ends the process with the preemption code
         self.monitor: HealthMonitor | None = None
         self.watchdog: HangWatchdog | None = None
         self.stopping: Decision | None = None
@@ -250,15 +274,21 @@ class HealthGuard:
         self._started = True
         mine = [i for i in self._injections if i.rank in (None, self.rank)]
         unwatched = [i for i in mine if i.fault == "signal" and i.value not in self.signals.signals]
-        if unwatched:
-            raise ConfigError(
-                f"injected {unwatched[0]} is not among the watched signals {[s.name for s in self.signals.signals]}; "
-                "its default action would kill the process instead of stopping it cleanly"
-            )
-        nvml = self._nvml if self._nvml is not None else load_nvml() if self.config.nvml else None
-        simulated = self._simulated(nvml, mine)
+        try:
+            if unwatched:
+                raise ConfigError(
+                    f"injected {unwatched[0]} is not among the watched signals "
+                    f"{[s.name for s in self.signals.signals]}; its default action would kill the process instead "
+                    "of stopping it cleanly"
+                )
+            nvml = self._nvml if self._nvml is not None else load_nvml() if self.config.nvml else None
+            simulated = self._simulated(nvml, mine)
+        except ConfigError:
+            self.close()  # this guard will not run: the signals taken at construction go back
+            raise
         self._injector = FaultInjector(mine, self.rank, simulated)
         self.signals.install()
+        self.signals.record()  # training begins: a signal now stops it at the next step boundary, with a save
         if self.config.nvml:
             devices = list(self.config.devices) if self.config.devices is not None else default_devices()
             self.monitor = HealthMonitor(
@@ -286,7 +316,9 @@ class HealthGuard:
         if not self.config.nvml:
             raise ConfigError(f"GPU faults are injected ({mine}) but HealthConfig.nvml is False")
         if nvml is None:
-            raise ConfigError("GPU fault injection needs nvidia-ml-py: pip install 'training-resilience[nvml]'")
+            raise ConfigError(
+                "GPU fault injection needs nvidia-ml-py, a dependency of the pack: pip install nvidia-ml-py"
+            )
         return nvml if isinstance(nvml, SimulatedNVML) else SimulatedNVML(nvml, passthrough=True)
 
     def close(self) -> None:
@@ -296,6 +328,9 @@ class HealthGuard:
         self._closed = True
         if not self._exiting:
             self.signals.restore()
+            # A framework may put the watcher's handler back later (Lightning does at the end of a fit): it then
+            # passes signals on, and must not keep this run's listeners (the session, the Trainer) alive.
+            self.signals.events = EventLog(self.rank)
         if self.monitor is not None:
             self.monitor.close()
         if self.watchdog is not None:
@@ -388,8 +423,9 @@ class HealthGuard:
 
         Raises SystemExit, so ``finally`` blocks and framework teardown run, after arming a timer that
         forces the same exit code with ``os._exit`` if the process is still alive ``exit_timeout_s`` later
-        (a hung teardown or non-daemon thread would otherwise keep an elastic agent from restarting). Signal
-        handlers stay installed, so a second SIGTERM during teardown cannot change the exit code.
+        (a hung teardown or non-daemon thread would otherwise keep an elastic agent from restarting). The stop
+        signals are ignored from here on, so neither a second SIGTERM during teardown nor a launcher's closing
+        one during interpreter shutdown can change the exit code (:func:`hold_exit_code`).
         """
         if exit_code is None:
             if self.stopping is None or self.stopping.exit_code is None:
@@ -398,7 +434,7 @@ class HealthGuard:
         self._exiting = True
         self.close()
         log.warning("rank %d: exiting with code %d for the launcher to restart or requeue", self.rank, exit_code)
-        _force_exit_later(exit_code, self.config.exit_timeout_s)
+        hold_exit_code(self.signals.signals, exit_code, self.config.exit_timeout_s)
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(exit_code)
@@ -411,14 +447,3 @@ class HealthGuard:
     def paused(self) -> AbstractContextManager[None]:
         """Wrap work between steps that is not a step (validation, a blocking save) so it is not a hang."""
         return self.watchdog.suspended() if self.watchdog is not None else nullcontext()
-
-
-def _force_exit_later(exit_code: int, after_s: float) -> None:
-    def force() -> None:
-        # No logging here: its locks may be held by the very thread that is stuck.
-        os.write(2, f"resilience: still running {after_s:g} s after stop; forcing exit {exit_code}\n".encode())
-        os._exit(exit_code)
-
-    timer = threading.Timer(after_s, force)
-    timer.daemon = True
-    timer.start()

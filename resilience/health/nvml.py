@@ -127,11 +127,11 @@ class HealthMonitor:
     def start(self) -> bool:
         """Start watching; False (after one notice) when there is no NVML or no GPU to watch."""
         if self.nvml is None:
-            return self._notice("nvidia-ml-py is not installed (pip install 'training-resilience[nvml]')")
+            return self._notice("nvidia-ml-py is not installed (pip install nvidia-ml-py)", node_wide=True)
         try:
             self.nvml.nvmlInit()
         except self.nvml.NVMLError as exc:
-            return self._notice(f"NVML is not available ({type(exc).__name__}: {exc})")
+            return self._notice(f"NVML is not available ({type(exc).__name__}: {exc})", node_wide=True)
         self._devices = [d for d in map(self._open, self.device_names) if d is not None]
         if not self._devices:
             self._shutdown_nvml()
@@ -155,12 +155,17 @@ class HealthMonitor:
             self._shutdown_nvml()
         self.running = False
 
-    def _notice(self, why: str) -> bool:
-        log.warning(
-            "rank %d: %s; GPU health is not monitored on this rank. Preemption signals and the hang "
-            "watchdog still work.",
-            self.events.rank,
+    def _notice(self, why: str, *, node_wide: bool = False) -> bool:
+        """Say why GPU health is not watched: once per node when it holds for the whole node (no driver, no
+        binding), so a job of many ranks prints one line per node, not one per rank."""
+        first_on_node = int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+        where = "this node" if node_wide else f"rank {self.events.rank}"
+        log.log(
+            logging.WARNING if first_on_node or not node_wide else logging.DEBUG,
+            "%s: %s; GPU health is not monitored on %s. Preemption signals and the hang watchdog still work.",
+            f"rank {self.events.rank}",
             why,
+            where,
         )
         return False
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_resilience import ResilienceHandle, ResumePoint, attach, compat
+from tests.workers.slow_load import slow_down_loads_from_env
 from tests.workers.victim import die_after_boundary
 
 EPOCHS = 3
@@ -192,6 +193,7 @@ def main() -> None:
     preempt_at = os.environ.get("TRAIN_PREEMPT_AT")
     if preempt_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.environ["RESILIENCE_INJECT"] = f"signal=SIGTERM@step={preempt_at},rank=1"
+    slow_down_loads_from_env()
     resilience = attach(accelerator)
     point = accelerator.load_state()  # routed to resilience.resume()
     rank = accelerator.process_index

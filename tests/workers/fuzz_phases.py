@@ -4,7 +4,9 @@ the shard writes, manifests, uploads and retention run.
 
 ``FUZZ_PLAN`` says whether this rank dies: when it enters ``phase`` for the ``occurrence``-th time, the whole
 rank is SIGKILLed after ``delay_s`` (from a timer thread, so the phase goes on meanwhile): in the helper that
-is the training process (``RESILIENCE_HELPER_PARENT_PID``) and the helper itself. Phase entries and exits go
+is the training process (``RESILIENCE_HELPER_PARENT_PID``) and the helper itself. With ``delivery`` "stop" the
+rank's whole process group gets SIGTERM instead, as a scheduler stops a job: the training process (no health
+guard here) dies of it, and its helpers, which ignore it, end with it. Phase entries and exits go
 to ``FUZZ_TRACE_DIR/rank-<R>.log`` with unbuffered appends, so the record survives the kill.
 """
 
@@ -48,11 +50,17 @@ class Trace:
         os.write(self._fd, (" ".join(map(str, words)) + "\n").encode())
 
 
-def die_after(trace: Trace, delay_s: float, why: str) -> None:
+def die_after(trace: Trace, delay_s: float, why: str, delivery: str) -> None:
     trace("kill", why, f"{delay_s:.4f}")
+    die = _stop if delivery == "stop" else _die
     if delay_s <= 0:
-        _die()
-    threading.Timer(delay_s, _die).start()
+        die()
+    threading.Timer(delay_s, die).start()
+
+
+def _stop() -> None:
+    """SIGTERM to the rank's process group (each rank is a session of its own): the training process and helpers."""
+    os.killpg(os.getpgid(0), signal.SIGTERM)
 
 
 def _die() -> None:
@@ -75,7 +83,7 @@ def instrument(trace: Trace, plan: dict[str, Any], rank: int) -> None:
                 n = counts[phase]
             trace("enter", phase, n)
             if armed and phase == plan["phase"] and n == plan["occurrence"]:
-                die_after(trace, plan["delay_s"], f"{phase}#{n}")
+                die_after(trace, plan["delay_s"], f"{phase}#{n}", plan["delivery"])
             try:
                 return original(*args, **kwargs)
             finally:

@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, HealthGuardCallback, ResilientCheckpointIO
 from lightning_resilience.checkpoint_io import live_checkpoint_ios
+from tests.workers.slow_load import slow_down_loads_from_env
 from tests.workers.victim import die_after_boundary
 
 
@@ -98,16 +99,24 @@ class ShowBest(pl.Callback):
 
 
 class Sleep(pl.Callback):
-    """Slow steps down, so that a test has time to send a signal mid-run."""
+    """Slow steps down, so that a test has time to send a signal mid-run: inside the step, as its compute would
+    take the time, between the batch's fetch and the step's boundary; or, ``after_boundary``, between the
+    boundary and the next fetch, as another callback or validation would."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, *, after_boundary: bool = False) -> None:
+        self.seconds, self.after_boundary = seconds, after_boundary
+
+    def on_train_batch_start(self, *args: object) -> None:
+        if not self.after_boundary:
+            time.sleep(self.seconds)
 
     def on_train_batch_end(self, *args: object) -> None:
-        time.sleep(self.seconds)
+        if self.after_boundary:  # after the pack's callbacks, which come first in the list
+            time.sleep(self.seconds)
 
 
 def main() -> None:
+    slow_down_loads_from_env()
     if os.environ.get("TEST_SLOW_WRITE_S"):  # each background write first leaves a marker and waits
         os.environ.update(RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="slow_write")
     p = argparse.ArgumentParser()
@@ -124,6 +133,7 @@ def main() -> None:
     p.add_argument("--async-staging", action="store_true")
     p.add_argument("--health", action="store_true", help="add HealthGuardCallback (faults via RESILIENCE_INJECT)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to leave time for a signal")
+    p.add_argument("--sleep-after-boundary", action="store_true", help="the step's sleep after its boundary")
     p.add_argument("--no-auto-resume", action="store_true")
     p.add_argument("--victim", help="RANK:STEP:kill|stop, a rank lost mid-run")
     p.add_argument(
@@ -174,7 +184,7 @@ def main() -> None:
         rank, step, how = args.victim.split(":")
         callbacks.append(Victim(int(rank), int(step), how))
     if args.step_sleep:
-        callbacks.append(Sleep(args.step_sleep))
+        callbacks.append(Sleep(args.step_sleep, after_boundary=args.sleep_after_boundary))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
