@@ -27,7 +27,7 @@ from resilience import inplace
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
-from resilience.logs import print_to_stderr
+from resilience.logs import print_to_stderr, rank_zero
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
 from resilience.position import DataTracker, Position
@@ -95,7 +95,7 @@ class ResilienceHandle:
             raise ConfigError("this Accelerator already has a ResilienceHandle: attach once, and close() it first")
         self.accelerator = accelerator
         self.plugin = plugin
-        print_to_stderr(lambda: accelerator.is_main_process)  # Accelerate's own lines show nothing unless set up
+        print_to_stderr(rank_zero)  # Accelerate's own lines show nothing unless set up
         project = accelerator.project_configuration
         limit = project.total_limit
         config = plugin.checkpoint_config(

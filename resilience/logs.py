@@ -8,6 +8,7 @@ deaf to the level the user gave the framework's logger. An adapter routes them t
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 
@@ -37,6 +38,17 @@ class _Stderr(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING or self.is_main():
             super().emit(record)
+
+
+def rank_zero() -> bool:
+    """Whether this process is the job's rank 0, asked of torch.distributed (or ``RANK``) and of nothing that lives
+    shorter than the process: a handler stays installed across a restart in place, and asking a framework object
+    of an earlier generation (an old Accelerator) would set the framework's singletons up again, as of then."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0") or 0) == 0
 
 
 def route_through(target: str, is_main: Callable[[], bool]) -> None:

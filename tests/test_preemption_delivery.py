@@ -132,6 +132,32 @@ def test_lightning_ddp_commits_the_agreed_step_when_every_process_is_signalled(
     assert_none_left(pids)
 
 
+def test_torchrun_forwards_a_sigterm_and_the_lightning_ranks_commit_the_agreed_step(tmp_path: Path) -> None:
+    """torchrun's agent gets the SIGTERM (as from a scheduler that signals the launcher only) and sends it to each
+    worker's process group (its workers are sessions of their own): their helpers get it too."""
+    log = tmp_path / "job.log"
+    env = base_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d"]
+    command += ["--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(LIGHTNING), "--root", str(tmp_path)]
+    command += ["--devices", "2", "--health", "--step-sleep", "0.3", "--max-steps", "60"]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            command, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+    try:
+        wait_for((tmp_path / "ckpt" / "step-8" / "manifest.json").exists, proc, log)
+        pids = deliver(proc, "first", signal.SIGTERM)
+        proc.wait(timeout=TIMEOUT_S)
+    finally:
+        kill_job(proc)
+    output = log.read_text()
+    assert_agreed_step_committed(output, tmp_path / "ckpt")
+    assert output.count("exiting with code 75") == 2 and "helper process" not in output, output[-6000:]
+    assert_none_left(pids)
+
+
 def start_accelerate(tmp: Path, root: Path, **settings: str) -> tuple[subprocess.Popen[str], Path]:
     """A 2-rank ``accelerate launch --multi_gpu`` job on CPU with health on, no settings from the caller's shell."""
     out = tmp / "out"
