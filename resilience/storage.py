@@ -76,6 +76,12 @@ class Tier:
 
     # ---- paths (derived) ---------------------------------------------------------------------------------
 
+    @property
+    def process_local(self) -> bool:
+        """``memory://``: each process sees its own, so no other job can share it, and a helper process does not
+        see what its training process wrote there (the lease among it)."""
+        return type(self.fs).__name__ == "MemoryFileSystem"
+
     def path(self, *parts: str) -> str:
         return "/".join([self.root.rstrip("/"), *parts]) if self.root != "/" else "/" + "/".join(parts)
 

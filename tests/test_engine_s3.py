@@ -150,6 +150,7 @@ def test_server_killed_mid_upload_keeps_the_local_commit(
         if policy == "raise":  # training stops at its next save, with the upload's error
             with pytest.raises(CheckpointError, match="Uploading the checkpoint failed"):
                 m.save(3, make_state(3))
+            m.abandon()  # as the job's end would: nothing of it (its heartbeat) outlives the test
         else:  # training goes on, checkpointing to the local tier
             third = m.save(3, make_state(3))
             assert third is not None and third.committed.result(60)
