@@ -85,21 +85,37 @@ def assert_agreed_step_committed(output: str, root: Path) -> int:
     return step
 
 
+def start_job(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """The job in a session of its own (so its process group is its own), its output to ``log``."""
+    with log.open("w") as sink:
+        return subprocess.Popen(
+            command, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+
+def stop_when(
+    proc: subprocess.Popen[str],
+    log: Path,
+    marker: Path,
+    how: str,
+    signum: signal.Signals = signal.SIGTERM,
+    timeout_s: float = TIMEOUT_S,
+) -> tuple[list[int], str]:
+    """Once ``marker`` exists, send ``signum`` to the job as ``how`` says (:func:`deliver`); wait up to
+    ``timeout_s`` for it to end. The job's pids and output."""
+    try:
+        wait_for(marker.exists, proc, log)
+        pids = deliver(proc, how, signum)
+        proc.wait(timeout=timeout_s)
+    finally:
+        kill_job(proc)
+    return pids, log.read_text()
+
+
 def start_lightning(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], Path]:
-    log = root / "job.log"
     root.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(LIGHTNING), "--root", str(root), "--devices", "2", "--health", *args]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            command,
-            env=base_env(env),
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-    return proc, log
+    return start_job(command, root / "job.log", base_env(env)), root / "job.log"
 
 
 @pytest.mark.parametrize(
@@ -118,13 +134,7 @@ def test_lightning_ddp_commits_the_agreed_step_when_every_process_is_signalled(
     loader = ["--workers", str(workers), "--loader", "plain"] if workers else []
     timing = ["--sleep-after-boundary"] if where == "after_boundary" else []
     proc, log = start_lightning(tmp_path, "--step-sleep", "0.3", "--max-steps", "60", *loader, *timing)
-    try:
-        wait_for((tmp_path / "ckpt" / "step-8" / "manifest.json").exists, proc, log)
-        pids = deliver(proc, how, signum)
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    pids, output = stop_when(proc, log, tmp_path / "ckpt" / "step-8" / "manifest.json", how, signum)
     assert proc.returncode == 75, output[-6000:]
     assert "helper process" not in output, output[-6000:]  # no helper died of the signal
     assert_agreed_step_committed(output, tmp_path / "ckpt")
@@ -142,17 +152,8 @@ def test_torchrun_forwards_a_sigterm_and_the_lightning_ranks_commit_the_agreed_s
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--rdzv_backend", "c10d"]
     command += ["--rdzv_endpoint", f"127.0.0.1:{free_port()}", str(LIGHTNING), "--root", str(tmp_path)]
     command += ["--devices", "2", "--health", "--step-sleep", "0.3", "--max-steps", "60"]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            command, env=env, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-    try:
-        wait_for((tmp_path / "ckpt" / "step-8" / "manifest.json").exists, proc, log)
-        pids = deliver(proc, "first", signal.SIGTERM)
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    proc = start_job(command, log, env)
+    pids, output = stop_when(proc, log, tmp_path / "ckpt" / "step-8" / "manifest.json", "first")
     assert_agreed_step_committed(output, tmp_path / "ckpt")
     assert output.count("exiting with code 75") == 2 and "helper process" not in output, output[-6000:]
     assert_none_left(pids)
@@ -167,12 +168,7 @@ def start_accelerate(tmp: Path, root: Path, **settings: str) -> tuple[subprocess
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     command += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(free_port()), str(ACCELERATE), str(out)]
-    log = out / "launch.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            command, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-    return proc, log
+    return start_job(command, out / "launch.log", env), out / "launch.log"
 
 
 def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signalled(tmp_path: Path) -> None:
@@ -181,13 +177,7 @@ def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signall
     root = tmp_path / "ckpt"
     health = {"ACCELERATE_RESILIENCE_HEALTH": "1", "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "3"}
     proc, log = start_accelerate(tmp_path, root, TRAIN_STEP_SLEEP="0.3", **health)
-    try:
-        wait_for((root / "step-3" / "manifest.json").exists, proc, log)
-        pids = deliver(proc, "every_pid", signal.SIGTERM)
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    pids, output = stop_when(proc, log, root / "step-3" / "manifest.json", "every_pid")
     step = assert_agreed_step_committed(output, root)
     assert step > 3 and "helper process" not in output, output[-6000:]
     # each worker left with the code the ranks agreed on, not by the launcher's closing signal (-15)
@@ -204,13 +194,7 @@ def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path:
     marker = tmp_path / "loading"
     slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
     proc, log = start_accelerate(tmp_path, root, ACCELERATE_RESILIENCE_HEALTH="1", **slow)
-    try:
-        wait_for(marker.exists, proc, log)
-        pids = deliver(proc, "every_pid", signal.SIGTERM)
-        proc.wait(timeout=30)  # well before the read would have ended
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    pids, output = stop_when(proc, log, marker, "every_pid", timeout_s=30)  # well before the read would have ended
     assert output.count("SIGTERM before training began: exiting with code 75") == 2, output[-6000:]
     assert "exitcode" not in output or "exitcode  : 75" in output, output[-6000:]
     assert_none_left(pids)
@@ -223,17 +207,8 @@ def test_resilience_launch_commits_the_agreed_step_when_its_process_group_is_sig
     log = tmp_path / "launch.log"
     command = [sys.executable, "-m", "resilience.cli", "launch", "--nproc-per-node=2", str(LIGHTNING)]
     command += ["--root", str(tmp_path), "--devices", "2", "--health", "--step-sleep", "0.3", "--max-steps", "60"]
-    with log.open("w") as sink:
-        proc = subprocess.Popen(
-            command, env=base_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-    try:
-        wait_for((tmp_path / "ckpt" / "step-8" / "manifest.json").exists, proc, log)
-        pids = deliver(proc, "group", signal.SIGTERM)
-        proc.wait(timeout=TIMEOUT_S)
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    proc = start_job(command, log, base_env())
+    pids, output = stop_when(proc, log, tmp_path / "ckpt" / "step-8" / "manifest.json", "group")
     assert proc.returncode == 75, output[-6000:]
     assert "helper process" not in output, output[-6000:]
     assert_agreed_step_committed(output, tmp_path / "ckpt")
@@ -248,13 +223,7 @@ def test_a_signal_during_a_restore_exits_75_and_the_checkpoint_stays_intact(tmp_
     marker = tmp_path / "loading"
     slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
     proc, log = start_lightning(tmp_path, "--max-steps", "12", env=slow)
-    try:
-        wait_for(marker.exists, proc, log)
-        pids = deliver(proc, "group", signal.SIGTERM)
-        proc.wait(timeout=30)  # well before the read would have ended
-    finally:
-        kill_job(proc)
-    output = log.read_text()
+    pids, output = stop_when(proc, log, marker, "group", timeout_s=30)  # well before the read would have ended
     assert proc.returncode == 75, output[-6000:]
     assert "SIGTERM before training began: exiting with code 75" in output, output[-6000:]
     assert_none_left(pids)
