@@ -218,6 +218,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     except CorruptCheckpointError as exc:  # a check failed: nothing was written
         print(f"FAIL {exc}")
         return EXIT_FAILED
+    on_bytes.finish()
     if done.note:
         print(f"note: {done.note}", file=sys.stderr)
     files = ", ".join(done.files)
@@ -238,31 +239,39 @@ def _bytes(text: str) -> int:
     return int(float(match.group(1)) * ((1024 if "I" in unit else 1000) ** power))
 
 
-def _counter(total: int, show: Callable[[int, int], None] | None) -> Callable[[int], None]:
-    done = 0
+class _Counter:
+    """Adds up bytes as they are reported and shows the running figure; :meth:`finish` shows the last one."""
 
-    def count(delta: int) -> None:
-        nonlocal done
-        done += delta
-        if show is not None:
-            show(done, total)
+    def __init__(self, total: int, show: Callable[..., None] | None):
+        self.total, self.show, self.done = total, show, 0
 
-    return count
+    def __call__(self, delta: int) -> None:
+        self.done += delta
+        if self.show is not None:
+            self.show(self.done, self.total)
+
+    def finish(self) -> None:
+        if self.show is not None and self.done:
+            self.show(self.done, self.total, last=True)
 
 
-def _progress_printer(label: str) -> Callable[[int, int], None]:
-    """Prints progress at most twice a second; a total of 0 means not known beforehand (bytes only)."""
-    last = [0.0]
+def _counter(total: int, show: Callable[..., None] | None) -> _Counter:
+    return _Counter(total, show)
 
-    def show(done: int, total: int) -> None:
+
+def _progress_printer(label: str) -> Callable[..., None]:
+    """Prints progress at most twice a second, and the ``last`` figure; a total of 0 means not known beforehand
+    (bytes only). Nothing before the first byte ("0 B" tells nothing), and no line the same as the one before."""
+    last_t, shown = [0.0], [""]
+
+    def show(done: int, total: int, *, last: bool = False) -> None:
         now = time.monotonic()
-        if now - last[0] >= 0.5 or done == total:
-            last[0] = now
-            if not total:
-                print(f"  {label}: {_size(done)}", file=sys.stderr, flush=True)
-                return
-            pct = 100.0 * done / total
-            print(f"  {label}: {pct:5.1f}% ({_size(done)} of {_size(total)})", file=sys.stderr, flush=True)
+        if not done or not (last or now - last_t[0] >= 0.5 or done == total):
+            return
+        text = f"{100.0 * done / total:5.1f}% ({_size(done)} of {_size(total)})" if total else _size(done)
+        if text != shown[0]:
+            last_t[0], shown[0] = now, text
+            print(f"  {label}: {text}", file=sys.stderr, flush=True)
 
     return show
 

@@ -380,3 +380,17 @@ def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path: Path) ->
         path.write_bytes(b"x")
     assert remove_stale_temporaries(str(name)) == [str(dead)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (name, live, other))
+
+
+def test_export_progress_counts_every_tensor_byte(tmp_path: Path) -> None:
+    """``--progress`` printed "0 B" for a whole export: tensors copied from the shard files as they are were not
+    counted, and the first report came before anything was read. It ends at the size the export reports."""
+    weights = {"w": torch.randn(512, 512), "b": torch.ones(10)}
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt")) as manager:
+        manager.save(1, {"model": weights})
+    for out, fmt in ((tmp_path / "model.pt", "torch"), (tmp_path / "model.safetensors", "safetensors")):
+        done = run_cli("export", str(tmp_path / "ckpt"), str(out), "--format", fmt, "--weights", "model", "--progress")
+        assert done.returncode == EXIT_OK, done.stderr
+        lines = [line for line in done.stderr.splitlines() if "tensors read for" in line]
+        assert lines and lines[-1].endswith(": 1.0 MiB") and not any(line.endswith(": 0 B") for line in lines), lines
+        assert "(torch, 1.0 MiB of tensors)" in done.stdout or "(safetensors, 1.0 MiB of tensors)" in done.stdout

@@ -83,6 +83,8 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
                     if stored is not None:
                         writer.copy(records[str(index)], source, *stored)
                         copied.add(index)
+                        if reader.on_bytes is not None:  # copied from the file, not read: still read for the user
+                            reader.on_bytes(stored[1])
         for key, value in _values(storages, placeholders, copied, reader):
             writer.write(records[key], raw_bytes(value))
     finally:
