@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
+from resilience.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV_STORE = "RESILIENCE_LAUNCH_STORE"  # host:port of the launcher's store; set for every rank it starts
@@ -42,6 +44,9 @@ ENV_STOP_CODES = "RESILIENCE_STOP_CODES"  # exit codes of an agreed stop: the ra
 ENV_LAUNCHER_PID = "RESILIENCE_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # prctl(2)
 EXIT_INTERRUPTED = 130
+# A configuration error (the pack's ConfigError): the same command fails the same way, so it ends the job rather
+# than being run again; 2, as for usage errors (argparse's, the resilience command's).
+EXIT_CONFIG_ERROR = 2
 NEXT_GENERATION_WAIT_S = 600.0  # how long survivors wait for the launcher to replace the lost rank
 
 
@@ -210,6 +215,9 @@ class Target:
             return _exit_code(exc.code)
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
+        except ConfigError:
+            sys.excepthook(*sys.exc_info())
+            return EXIT_CONFIG_ERROR
         except BaseException as exc:
             if requested() is None:
                 sys.excepthook(*sys.exc_info())

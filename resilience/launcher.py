@@ -42,6 +42,7 @@ from resilience.inplace import (
     ENV_LAUNCHER_PID,
     ENV_STOP_CODES,
     ENV_STORE,
+    EXIT_CONFIG_ERROR,
     Generation,
     Target,
     evict_key,
@@ -79,8 +80,9 @@ class LaunchConfig:
             s with the wait). A second failure within it gets a replacement started cold.
         preload: Modules a spare imports before it is given a rank; ``"auto"``: the third-party modules the script
             imports (read from its source, never the user's own, whose import may depend on the rank).
-        stop_codes: Exit codes of an agreed stop: the other ranks leave too, with the same code, and so does the
-            launcher (69: a GPU fault, move the job; 75: preempted, run it again).
+        stop_codes: Exit codes that end the job: the other ranks leave too, with the same code, and so does the
+            launcher (69: a GPU fault, move the job; 75: preempted, run it again; 2: a usage or configuration
+            error, which running the same command again cannot fix).
         stop_grace_s: After one rank's agreed stop, how long the others may take to leave before they are killed.
         recovery_timeout_s: After a rank is lost, how long the others may take to end their generation (their
             survivor save included) before they are killed and replaced too; a node whose launcher does not
@@ -96,7 +98,7 @@ class LaunchConfig:
     spares: int = 1
     spare_delay_s: float = 10.0
     preload: str = "auto"
-    stop_codes: tuple[int, ...] = (69, 75)
+    stop_codes: tuple[int, ...] = (EXIT_CONFIG_ERROR, 69, 75)
     stop_grace_s: float = 120.0
     recovery_timeout_s: float = 120.0
     master_addr: str = "127.0.0.1"

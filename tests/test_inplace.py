@@ -400,3 +400,18 @@ def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_las
         assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
         for name, tensor in want["model"].items():
             assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
+def test_a_configuration_error_ends_the_job_instead_of_being_run_again(tmp_path: Path) -> None:
+    """A ConfigError fails the same way at every try: the rank leaves with 2 (a usage error), the other with it, and
+    the launcher does not start the script again (it ran a fixed configuration error three times)."""
+    script = tmp_path / "misconfigured.py"
+    script.write_text(
+        "import os\nfrom resilience.errors import ConfigError\n"
+        "print('STARTED', os.environ['RANK'], flush=True)\n"
+        "raise ConfigError('keep_last=0: keep at least one checkpoint')\n"
+    )
+    code, output = launch(tmp_path / "launch.log", 2, script)
+    assert code == 2, output[-4000:]
+    assert output.count("STARTED") == 2 and "replaced" not in output, output[-4000:]
+    assert "keep_last=0: keep at least one checkpoint" in output
