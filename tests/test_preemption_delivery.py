@@ -185,6 +185,30 @@ def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signall
     assert_none_left(pids)
 
 
+def test_an_accelerate_script_run_bare_commits_the_agreed_step_when_its_group_is_signalled(tmp_path: Path) -> None:
+    """``python train.py``, one process with its helpers: a terminal's or a scheduler's signal to the process group
+    (SIGINT here, as Ctrl-C sends it)."""
+    out, root = tmp_path / "out", tmp_path / "ckpt"
+    out.mkdir()
+    env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
+    env.update(
+        HF_HOME=str(tmp_path / "hf-home"),
+        ACCELERATE_RESILIENCE_LOCAL_DIR=str(root),
+        ACCELERATE_RESILIENCE_HEALTH="1",
+        ACCELERATE_RESILIENCE_EVERY_N_STEPS="3",
+        TRAIN_STEP_SLEEP="0.3",
+    )
+    proc = start_job([sys.executable, str(ACCELERATE), str(out)], out / "run.log", env)
+    pids, output = stop_when(proc, out / "run.log", root / "step-3" / "manifest.json", "group", signal.SIGINT)
+    assert proc.returncode == 75, output[-6000:]
+    agreed = re.search(r"all ranks save step (\d+) and stop \(exit code 75\)", output)
+    assert agreed is not None and "helper process" not in output, output[-6000:]
+    step = int(agreed.group(1))
+    assert step > 3 and f"emergency save of step {step} committed locally" in output, output[-6000:]
+    assert resilience_cli(["verify", str(root), "--step", str(step)]) == 0
+    assert_none_left(pids)
+
+
 def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path: Path) -> None:
     """Under Accelerate the stop signals are the pack's from ``attach()``: a restore (here made to take 60 s) ends
     at once with the requeue code on both workers, and the checkpoint it read stays intact."""
