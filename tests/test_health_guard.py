@@ -154,3 +154,20 @@ def test_two_ranks_agree_to_save_and_stop_at_the_injected_step(tmp_path: Path) -
     assert "XID 79" in reports[1]["reason"]
     assert reports[0]["reason"] == "rank 1 reported a fatal fault"
     assert (tmp_path / "step-5" / "manifest.json").exists()
+
+
+def test_a_guard_for_another_fit_makes_its_watcher_exit_at_once_again_until_training_begins() -> None:
+    """The health callback keeps one watcher for all its fits: the second fit's set-up and restore are again
+    before training, where a stop signal exits at once (nothing trained yet to save)."""
+    from resilience.health import FaultTable, SignalWatcher
+    from resilience.health.events import EventLog
+
+    watcher = SignalWatcher(["SIGUSR2"], EventLog(rank=0), FaultTable(), exit_code=75)
+    watcher.record()  # the first fit trained
+    guard = HealthGuard(HealthConfig(nvml=False, watchdog=False, inject=""), signals=watcher)
+    try:
+        assert not watcher.recording
+        guard.start()
+        assert watcher.recording
+    finally:
+        guard.close()

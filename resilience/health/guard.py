@@ -247,6 +247,7 @@ class HealthGuard:
         self._channel = Channel(dist.new_group(backend="gloo", timeout=timeout) if is_distributed() else None)
         self.signals = signals or signal_watcher(self.config, self.events)
         self.signals.events = self.events
+        self.signals.await_training()
         if threading.current_thread() is threading.main_thread():
             self.signals.install()  # from here a stop signal ends the process with the preemption code
         self.monitor: HealthMonitor | None = None

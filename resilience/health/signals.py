@@ -131,6 +131,11 @@ class SignalWatcher:
         """Training has begun: from here on a signal is recorded for the next step boundary, which saves."""
         self.recording = True
 
+    def await_training(self) -> None:
+        """Training is to begin again (a second fit with the same callback): until :meth:`record`, a signal ends
+        the process at once, as before the first."""
+        self.recording = self.exit_code is None
+
     def restore(self) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
