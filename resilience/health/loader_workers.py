@@ -45,9 +45,9 @@ def protect() -> None:
     """Workers started from now on outlast the job's stop signals (idempotent)."""
     from torch.utils.data._utils import signal_handling
 
-    current = signal_handling._set_worker_signal_handlers
-    if getattr(current, "__wrapped__", None) is not None:
-        return
+    current = getattr(signal_handling, "_set_worker_signal_handlers", None)
+    if current is None or getattr(current, "__wrapped__", None) is not None:
+        return  # a torch without this hook: its workers die of the signal as before (docs/HEALTH.md)
 
     def set_worker_signal_handlers(*args: Any) -> None:
         current(*args)  # torch's, for SIGSEGV, SIGBUS, SIGFPE and its parent's SIGTERM
@@ -61,6 +61,7 @@ def unprotect() -> None:
     """Workers started from now on die of stop signals again, as torch has them."""
     from torch.utils.data._utils import signal_handling
 
-    original: Callable[..., None] | None = getattr(signal_handling._set_worker_signal_handlers, "__wrapped__", None)
+    current = getattr(signal_handling, "_set_worker_signal_handlers", None)
+    original: Callable[..., None] | None = getattr(current, "__wrapped__", None)
     if original is not None:
         signal_handling._set_worker_signal_handlers = original
