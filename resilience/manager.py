@@ -61,6 +61,7 @@ from resilience.loader import Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
 from resilience.packing import PackLayout
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
+from resilience.progress import still_going
 from resilience.proofs import Proofs
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, Loan, StagingJob
@@ -798,7 +799,9 @@ class CheckpointManager:
             )
 
         self.groups.control.agree(plan)
-        self.groups.control.agree(read)
+        size = f"{entry.manifest.total_bytes / 2**30:.2f} GiB" if entry.manifest is not None else "size unknown"
+        with still_going(f"reading step {entry.step} from the {entry.tier.name} tier ({size})", enabled=self.rank == 0):
+            self.groups.control.agree(read)
         restored: Restored = box["restored"]
         return restored
 

@@ -303,3 +303,23 @@ def test_a_refused_page_lock_names_the_fix_and_leaves_no_segment(monkeypatch) ->
         staging.HostStager(pin_memory=True, shared=True)._buffer("w", (1024,), torch.float32, cuda=True)
     assert known == staging.SEGMENTS
     assert segments() == before
+
+
+def test_a_long_read_says_it_is_still_going(caplog: pytest.LogCaptureFixture) -> None:
+    """A restore that reads for minutes said nothing until its end: a line every so often shows it is not stuck,
+    and a short one says nothing."""
+    import time
+
+    from resilience.progress import still_going
+
+    caplog.set_level("INFO", logger="resilience.progress")
+    with still_going("reading step 8 from the durable tier (1.00 GiB)", every_s=0.05):
+        time.sleep(0.3)
+    lines = [r.getMessage() for r in caplog.records if r.name == "resilience.progress"]
+    assert len(lines) >= 2 and all(
+        line.startswith("reading step 8 from the durable tier (1.00 GiB): ") for line in lines
+    )
+    caplog.clear()
+    with still_going("a short read", every_s=10):
+        pass
+    assert not [r for r in caplog.records if r.name == "resilience.progress"]
