@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +12,6 @@ from lightning_resilience.session_callback import SessionCallback
 from resilience import env_settings as env
 from resilience.docstrings import document
 from resilience.health import EmergencySave, HealthConfig, SignalWatcher, signal_watcher
-from resilience.health.events import EventLog
 from resilience.session import TrainingSession
 
 
@@ -56,7 +54,7 @@ class HealthGuardCallback(SessionCallback):
         self.last_emergency: EmergencySave | None = None
         self._signals: SignalWatcher | None = None
         if threading.current_thread() is threading.main_thread():
-            self._signals = signal_watcher(self.config, EventLog(int(os.environ.get("RANK", "0") or 0)))
+            self._signals = signal_watcher(self.config)  # the session's guard gives it its event log
             self._signals.install()
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:

@@ -175,7 +175,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         assert entry.manifest is not None
         catalog.verify(entry, full=True)  # never spread a corrupt checkpoint to the durable tier
         total = entry.manifest.total_bytes
-        on_bytes = _counter(total, _progress_printer(f"upload {entry.where()}") if args.progress else None)
+        on_bytes = _Counter(total, _progress_printer(f"upload {entry.where()}") if args.progress else None)
         upload_files(
             local,
             durable,
@@ -197,7 +197,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from resilience.export import DTYPES, export  # keeps torch out of `ls` and `verify`
 
     options = _storage_options(args.storage_option)
-    on_bytes = _counter(0, _progress_printer(f"tensors read for {args.out}") if args.progress else None)
+    on_bytes = _Counter(0, _progress_printer(f"tensors read for {args.out}") if args.progress else None)
     try:
         done = export(
             args.root,
@@ -253,10 +253,6 @@ class _Counter:
     def finish(self) -> None:
         if self.show is not None and self.done:
             self.show(self.done, self.total, last=True)
-
-
-def _counter(total: int, show: Callable[..., None] | None) -> _Counter:
-    return _Counter(total, show)
 
 
 def _progress_printer(label: str) -> Callable[..., None]:

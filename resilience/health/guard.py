@@ -203,7 +203,7 @@ def _log_emergency(rank: int, result: EmergencySave, grace_s: float) -> None:
     )
 
 
-def signal_watcher(config: HealthConfig, events: EventLog) -> SignalWatcher:
+def signal_watcher(config: HealthConfig, events: EventLog | None = None) -> SignalWatcher:
     """The configured stop signals, ending the process with the preemption code until training begins."""
     return SignalWatcher(
         config.signal_numbers,

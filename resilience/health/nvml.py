@@ -162,8 +162,8 @@ class HealthMonitor:
         where = "this node" if node_wide else f"rank {self.events.rank}"
         log.log(
             logging.WARNING if first_on_node or not node_wide else logging.DEBUG,
-            "%s: %s; GPU health is not monitored on %s. Preemption signals and the hang watchdog still work.",
-            f"rank {self.events.rank}",
+            "rank %d: %s; GPU health is not monitored on %s. Preemption signals and the hang watchdog still work.",
+            self.events.rank,
             why,
             where,
         )

@@ -65,10 +65,11 @@ def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s:
 
 
 def _expect_loader_workers_to_die() -> None:
-    """A job's stop signal also reaches torch's DataLoader workers, which die on any SIGTERM not sent by their
-    parent (their own handler, in C); torch's SIGCHLD handler in this process would then raise a RuntimeError
-    wherever the training thread is, in the emergency save too. Their death is expected now: it is let go. The
-    batches they had already made are still handed out, and the step boundary that saves comes first."""
+    """A job's stop signal also reaches torch's DataLoader workers. Those the pack could not protect (started
+    before it watched the signals, or by a ``spawn`` context: :mod:`~resilience.health.loader_workers`) die of
+    it, and torch's SIGCHLD handler in this process would then raise a RuntimeError wherever the training thread
+    is, in the emergency save too. Their death is expected now: it is let go. A signal within a step is saved at
+    that step's boundary, before the next batch is drawn."""
     handler = signal.getsignal(signal.SIGCHLD)
     if getattr(handler, "__module__", "").startswith("torch.utils.data"):
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -79,7 +80,7 @@ class SignalWatcher:
 
     Args:
         signals: Names or numbers, e.g. ``("SIGTERM", "SIGINT", "SIGUSR1")``.
-        events: Where :meth:`drain` reports them.
+        events: Where :meth:`drain` reports them (None until a guard adopts the watcher).
         table: Severity of a signal (``kind.signal``, preemption by default).
         chain: Also call the Python handler that was installed before (e.g. a framework's own).
         exit_code: Until :meth:`record` (training has begun), a signal ends the process at once with this code;
@@ -90,7 +91,7 @@ class SignalWatcher:
     def __init__(
         self,
         signals: Sequence[str | int],
-        events: EventLog,
+        events: EventLog | None,
         table: FaultTable,
         *,
         chain: bool = False,
@@ -180,7 +181,9 @@ class SignalWatcher:
 
     def drain(self) -> list[FaultEvent]:
         """Report the signals received since the last call (on the calling thread)."""
-        reported = []
+        reported: list[FaultEvent] = []
+        if self.events is None:
+            return reported  # nothing adopted it yet: the signals stay for the guard that will
         while self._received:
             signum, at = self._received.popleft()
             name = signal.Signals(signum).name
