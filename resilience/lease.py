@@ -118,7 +118,8 @@ class Lease:
         if holder is None or released:
             return True
         if holder.run_id is not None and holder.run_id == self.owner.run_id:
-            log.warning(
+            # a relaunch of the same run: the normal way back after any stop, not a warning
+            log.info(
                 "durable_url %s: taking over from an earlier process of this run (%s)", self.tier.url, holder.describe()
             )
             return True
