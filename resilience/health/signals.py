@@ -109,6 +109,7 @@ class SignalWatcher:
         self._previous: dict[signal.Signals, Any] = {}
         self._given_back: dict[signal.Signals, Any] = {}
         self._pid = os.getpid()
+        self._exiting = False
 
     @property
     def installed(self) -> bool:
@@ -174,9 +175,13 @@ class SignalWatcher:
         """Before training: nothing trained is lost, so leave with the preemption code (``SystemExit``, so that
         ``finally`` blocks and the framework's teardown run)."""
         assert self.exit_code is not None
-        name = signal.Signals(signum).name
-        os.write(2, f"resilience: {name} before training began: exiting with code {self.exit_code}\n".encode())
+        if self._exiting:  # a second signal (the launcher forwards the scheduler's) ran the handler again
+            raise SystemExit(self.exit_code)
+        self._exiting = True
         hold_exit_code(self.signals, self.exit_code, self.exit_timeout_s)
+        name = signal.Signals(signum).name
+        said = f"resilience: {name} before training began: exiting with code {self.exit_code} (pid {os.getpid()})\n"
+        os.write(2, said.encode())
         raise SystemExit(self.exit_code)
 
     def drain(self) -> list[FaultEvent]:
