@@ -13,8 +13,7 @@ as a relaunch on a rebooted or replaced node does.
 Ours runs with its defaults, so its time holds all a default resume does: the engine's start, whose helper
 process (``persist="process"``) comes from a fork server that imports torch and the engine in an interpreter of
 its own, discovery with full verification (``verify="auto"`` checksums every local shard before trusting the
-checkpoint), and the load, packed small tensors unpacked from their flat buffers. Lightning's own load is one
-``torch.load`` of its ``.ckpt``, unverified.
+checkpoint), and the load. Lightning's own load is one ``torch.load`` of its ``.ckpt``, unverified.
 
     .venv/bin/python -m benchmarks.bench_resume [--size-gb 1.6] [--repeats 3] [--dir DIR] [--cold]
 """

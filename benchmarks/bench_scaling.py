@@ -4,12 +4,9 @@
    CheckpointManager (synchronous staging; the background half in its helper process, the default
    ``persist="process"``): blocking time and time to commit (from ``save()`` to the local commit), sizes in
    rotating order.
-2. Tensor count: 100, 1,000 and 10,000 tensors (--counts) of the same total bytes (--count-gb), once with the
-   default ``pack_tensor_bytes`` (packing on: tensors under 1 MiB are laid into shared flat buffers) and once
-   with ``pack_tensor_bytes=0`` (packing off: every tensor a DCP item of its own); --packing picks either or
-   both. Each (count, packing) pair has its own manager; the two packings save the same tensors. The slope of
-   time to commit over the count is the commit cost per 1,000 tensors; the goal is at most 0.1 s per 1,000
-   tensors with packing on.
+2. Tensor count: 100, 1,000 and 10,000 tensors (--counts) of the same total bytes (--count-gb), every tensor a
+   DCP entry of its own, each count through its own manager. The slope of time to commit over the count is the
+   commit cost per 1,000 tensors; the goal is at most 0.1 s per 1,000 tensors.
 3. Ranks: 1, 2 and 4 processes (--ranks; gloo, all on this machine) each holding the same replicated state of
    --plan-tensors small tensors, as DDP ranks do. DCP planning is timed from the ``dcp.save``/``dcp.load`` call
    to the first ``write_data``/``read_data`` call (every step before any byte moves: local plans, the gather
@@ -19,7 +16,7 @@
 Slopes are least-squares fits: seconds per GB, per 1,000 tensors, per added rank.
 
     .venv/bin/python -m benchmarks.bench_scaling [--sizes-gb 0.1 0.4 1.6] [--count-gb 0.4] [--counts 100 1000 10000]
-        [--packing on off] [--repeats 3]
+        [--repeats 3] [--parts bytes count ranks]
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ from benchmarks.common import (
 from resilience import CheckpointConfig, CheckpointManager
 
 SIZE_TENSORS = 48  # as many as the 8-layer model with Adam has
-PACKING = {"on": {}, "off": {"pack_tensor_bytes": 0}}  # settings beyond the defaults
-PER_1000_GOAL_S = 0.1  # time to commit per 1,000 tensors with packing on
+PER_1000_GOAL_S = 0.1  # time to commit per 1,000 tensors
+PARTS = ("bytes", "count", "ranks")
 
 
 def save_turn(manager: CheckpointManager, state: dict[str, Any], steps: itertools.count[int]) -> Sample:
@@ -65,19 +62,11 @@ def save_turn(manager: CheckpointManager, state: dict[str, Any], steps: itertool
     return {"block": block, "commit": now() - start}
 
 
-def grow(
-    states: dict[str, dict[str, Any]],
-    root: Path,
-    repeats: int,
-    settings: dict[str, dict[str, Any]] | None = None,
-) -> dict[str, list[Sample]]:
-    """Save every state in turns, each through a manager of its own (its own reused buffers); ``settings``:
-    CheckpointConfig fields per state beyond the defaults."""
+def grow(states: dict[str, dict[str, Any]], root: Path, repeats: int) -> dict[str, list[Sample]]:
+    """Save every state in turns, each through a manager of its own (its own reused buffers)."""
     steps = itertools.count(1)
     managers = {
-        name: CheckpointManager(
-            CheckpointConfig(local_root=root / f"m{i}", keep_last=2, **(settings or {}).get(name, {}))
-        )
+        name: CheckpointManager(CheckpointConfig(local_root=root / f"m{i}", keep_last=2))
         for i, name in enumerate(states)
     }
 
@@ -152,13 +141,7 @@ def main() -> None:
     p.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 0.4, 1.6])
     p.add_argument("--count-gb", type=float, default=0.4, help="bytes of the tensor-count states (default 0.4)")
     p.add_argument("--counts", type=int, nargs="+", default=[100, 1_000, 10_000], help="tensor counts")
-    p.add_argument(
-        "--packing",
-        nargs="+",
-        choices=list(PACKING),
-        default=list(PACKING),
-        help="tensor count: with packing on (default pack_tensor_bytes), off (pack_tensor_bytes=0), or both",
-    )
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="which measurements to make")
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--plan-tensors", type=int, default=2_000, help="tensors of the rank-scaling state (default 2,000)")
     p.add_argument("--plan-gb", type=float, default=0.02, help="bytes of the rank-scaling state (default 0.02)")
@@ -169,40 +152,26 @@ def main() -> None:
         rank_worker(args)
         return
 
-    from tests.helpers import check_ranks, run_ranks
-
     report = Report(
         "Scaling: bytes, tensor count, ranks (item 10)",
         f"one CPU process, synchronous staging, fsync, helper process (persist='process'); tensor count "
-        f"{', '.join(map(str, args.counts))} at {args.count_gb} GB, packing {'/'.join(args.packing)}; "
-        f"{args.repeats} rounds after a warm-up round, in "
+        f"{', '.join(map(str, args.counts))} at {args.count_gb} GB; {args.repeats} rounds after a warm-up round, in "
         f"rotating order; rank scaling: {args.plan_tensors} tensors, {args.plan_gb} GB, replicated on every "
         f"rank, {args.rank_repeats} repeats after a warm-up; median [IQR] in seconds",
     )
     with scratch(args.dir, "scaling") as root:
-        sized = grow(
-            {f"{gb} GB": tensor_state(int(gb * GB), SIZE_TENSORS) for gb in args.sizes_gb}, root / "bytes", args.repeats
-        )
-        by_count = {n: tensor_state(int(args.count_gb * GB), n) for n in args.counts}
-        counted_names = {(n, packing): f"{n} tensors, packing {packing}" for packing in args.packing for n in by_count}
-        counted = grow(
-            {name: by_count[n] for (n, _), name in counted_names.items()},
-            root / "count",
-            args.repeats,
-            {name: PACKING[packing] for (_, packing), name in counted_names.items()},
-        )
-        per_ranks = {}
-        for ranks in args.ranks:
-            directory = root / f"ranks-{ranks}"
-            directory.mkdir()
-            worker_args = [
-                *("--rank-worker", "--dir", str(directory), "--rank-repeats", str(args.rank_repeats)),
-                *("--plan-tensors", str(args.plan_tensors), "--plan-gb", str(args.plan_gb)),
-                *("--threads", str(args.threads)),
-            ]
-            results = check_ranks(run_ranks(ROOT / "benchmarks" / "bench_scaling.py", worker_args, ranks, timeout=900))
-            (per_ranks[ranks],) = results_in(results[0].output)
+        if "bytes" in args.parts:
+            states = {f"{gb} GB": tensor_state(int(gb * GB), SIZE_TENSORS) for gb in args.sizes_gb}
+            report_bytes(report, grow(states, root / "bytes", args.repeats))
+        if "count" in args.parts:
+            states = {f"{n} tensors": tensor_state(int(args.count_gb * GB), n) for n in args.counts}
+            report_count(report, args, grow(states, root / "count", args.repeats))
+        if "ranks" in args.parts:
+            report_ranks(report, args, root)
+    report.print()
 
+
+def report_bytes(report: Report, sized: dict[str, list[Sample]]) -> None:
     report.heading(f"Bytes ({SIZE_TENSORS} tensors)")
     report.table(
         ["state", "blocking", "time to commit"],
@@ -213,32 +182,43 @@ def main() -> None:
         f"- Slope: blocking {slope(gbs, [column(r, 'block').median for r in sized.values()]):.3f} s per GB, "
         f"time to commit {slope(gbs, [column(r, 'commit').median for r in sized.values()]):.3f} s per GB."
     )
-    report.heading(f"Tensor count ({args.count_gb} GB), packing on and off")
+
+
+def report_count(report: Report, args: argparse.Namespace, counted: dict[str, list[Sample]]) -> None:
+    report.heading(f"Tensor count ({args.count_gb} GB), every tensor a DCP entry")
     report.table(
         ["state", "blocking", "time to commit"],
         [[name, column(rows, "block").fmt(), column(rows, "commit").fmt()] for name, rows in counted.items()],
     )
     thousands = [n / 1000 for n in args.counts]
-    for packing in args.packing:
-        rows = [counted[counted_names[n, packing]] for n in args.counts]
-        per_1000 = slope(thousands, [column(r, "commit").median for r in rows])
-        # The same save's write of the same bytes took from 0.4 s to 5 s here (first touches of memory the VM
-        # backs anew land on random saves): the fastest round shows what the tensor count itself adds.
-        fastest = slope(thousands, [min(s["commit"] for s in r) for r in rows])
-        goal = (
-            f"; goal at most {PER_1000_GOAL_S} s per 1,000 tensors, judged on the fastest rounds: "
-            f"{verdict(fastest <= PER_1000_GOAL_S)}"
-            if packing == "on"
-            else ""
-        )
-        report.add(
-            f"- Packing {packing} ("
-            + ("pack_tensor_bytes=0" if packing == "off" else f"pack_tensor_bytes={CheckpointConfig.pack_tensor_bytes}")
-            + f"): time to commit {per_1000:.3f} s per 1,000 tensors over the medians, {fastest:.3f} s over each "
-            f"count's fastest of {args.repeats} rounds; blocking "
-            f"{slope(thousands, [column(r, 'block').median for r in rows]):.3f} s per 1,000 tensors "
-            f"(least-squares slopes over {', '.join(map(str, args.counts))} tensors){goal}."
-        )
+    rows = list(counted.values())
+    per_1000 = slope(thousands, [column(r, "commit").median for r in rows])
+    # The same save's write of the same bytes took from 0.4 s to 5 s here (first touches of memory the VM
+    # backs anew land on random saves): the fastest round shows what the tensor count itself adds.
+    fastest = slope(thousands, [min(s["commit"] for s in r) for r in rows])
+    report.add(
+        f"- Time to commit {per_1000:.3f} s per 1,000 tensors over the medians, {fastest:.3f} s over each "
+        f"count's fastest of {args.repeats} rounds; blocking "
+        f"{slope(thousands, [column(r, 'block').median for r in rows]):.3f} s per 1,000 tensors "
+        f"(least-squares slopes over {', '.join(map(str, args.counts))} tensors); goal at most {PER_1000_GOAL_S} s "
+        f"per 1,000 tensors over the medians: {verdict(per_1000 <= PER_1000_GOAL_S)}."
+    )
+
+
+def report_ranks(report: Report, args: argparse.Namespace, root: Path) -> None:
+    from tests.helpers import check_ranks, run_ranks
+
+    per_ranks = {}
+    for ranks in args.ranks:
+        directory = root / f"ranks-{ranks}"
+        directory.mkdir()
+        worker_args = [
+            *("--rank-worker", "--dir", str(directory), "--rank-repeats", str(args.rank_repeats)),
+            *("--plan-tensors", str(args.plan_tensors), "--plan-gb", str(args.plan_gb)),
+            *("--threads", str(args.threads)),
+        ]
+        results = check_ranks(run_ranks(ROOT / "benchmarks" / "bench_scaling.py", worker_args, ranks, timeout=900))
+        (per_ranks[ranks],) = results_in(results[0].output)
     report.heading(f"Ranks ({args.plan_tensors} tensors, {args.plan_gb} GB, replicated; rank 0's view)")
     keys = ["save_plan", "load_plan", "save", "load", "engine_save", "engine_load"]
     titles = ["DCP save planning", "DCP load planning", "DCP save", "DCP load", "ours: save to commit", "ours: load"]
@@ -257,7 +237,6 @@ def main() -> None:
         "contention: it is an upper bound on what planning adds per rank. accelerate#4099 reports a DCP resume "
         "of 62 min at 16 ranks."
     )
-    report.print()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.helper import start_server_early
 from resilience.logs import route_through
-from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
+from resilience.names import FILE, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
 from resilience.session import TrainingSession
@@ -140,9 +140,6 @@ class ResilientCheckpointIO(CheckpointIO):
         if self._manager is None:
             model = trainer.lightning_module
             config = barrier_for(self.config, [model] if model is not None else [])
-            if getattr(trainer.strategy, "name_layout", FILE) == SHARDED:
-                # its names are DCP views of the step's shards, and a packed tensor has no DCP entry to point to
-                config = dataclasses.replace(config, pack_tensor_bytes=0)
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
             self._names = repaired_writer(self._manager)
         return self._manager

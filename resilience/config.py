@@ -48,12 +48,6 @@ class CheckpointConfig:
             gigabytes, on the cores training uses. The price: a resume on the same node reads from the device,
             not from memory. Where the file system refuses ``O_DIRECT``, writes are buffered.
         write_threads: Files per rank written in parallel by DCP.
-        pack_tensor_bytes: Plain (non-DTensor) tensors smaller than this are saved packed, laid into shared flat
-            byte buffers, rather than as DCP items of their own: DCP's cost is per item (planning, a serialised
-            record in the shard, an entry of its metadata), so 10,000 small tensors cost seconds unpacked. 0
-            turns packing off; such checkpoints are readable by releases that predate packing.
-        pack_bytes: Size a pack grows to before the next one starts (at least ``pack_tensor_bytes``). Each pack
-            is written by one rank, like a replicated tensor of that size, and read whole when loading.
         upload_concurrency: Files uploaded at once per rank.
         upload_retries: Attempts per file beyond the first before the upload fails.
         upload_backoff_s: First retry delay; doubles per attempt (with jitter), capped at 30 s.
@@ -92,8 +86,6 @@ class CheckpointConfig:
     fsync: bool = True
     direct_io: bool = True
     write_threads: int = 1
-    pack_tensor_bytes: int = 1 << 20
-    pack_bytes: int = 64 << 20
     upload_concurrency: int = 8
     upload_retries: int = 5
     upload_backoff_s: float = 0.5
@@ -125,11 +117,6 @@ class CheckpointConfig:
         for name in ("write_threads", "upload_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: use 1 or more")
-        if self.pack_tensor_bytes < 0 or self.pack_bytes < max(1, self.pack_tensor_bytes):
-            raise ConfigError(
-                f"pack_tensor_bytes={self.pack_tensor_bytes}, pack_bytes={self.pack_bytes}: use pack_tensor_bytes >= 0 "
-                "(0: no packing) and pack_bytes >= pack_tensor_bytes (a pack must hold the largest packed tensor)"
-            )
         if self.upload_retries < 0 or self.upload_backoff_s < 0 or self.collective_timeout_s <= 0:
             raise ConfigError(
                 "upload_retries and upload_backoff_s must be >= 0 and collective_timeout_s > 0 "

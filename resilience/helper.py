@@ -124,7 +124,6 @@ class WriteSpec:
     run_id: str | None
     writer: dict[str, Any] | None
     protected: list[int] = field(default_factory=list)
-    packs: bytes | None = None
     record_crcs: bool = False
 
 
@@ -311,7 +310,6 @@ class HelperPipeline:
             run_id=job.run_id,
             writer=job.writer,
             protected=sorted(self._protected_steps()),
-            packs=job.packs,
             record_crcs=job.record_crcs,
         )
         try:
@@ -639,7 +637,6 @@ def _helper_main(conn: Connection, settings: HelperSettings) -> None:
                     block_s=spec.block_s,
                     run_id=spec.run_id,
                     writer=spec.writer,
-                    packs=spec.packs,
                     record_crcs=spec.record_crcs,
                 )
             )

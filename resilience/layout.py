@@ -6,7 +6,7 @@ A tier (the local root, or the durable URL) holds::
         __<rank>_<i>.distcp        DCP shards
         .metadata                  DCP's global metadata (a pickle, checked before it is read)
         state.json                 the non-tensor skeleton of the shared state
-        packs.json                 where each packed small tensor lies in the __packs__/<i> DCP entries
+        packs.json                 (steps of earlier releases) where each packed small tensor lies in __packs__/<i>
         rank-<r>.json              each rank's own state (RNG, data position)
         .writer.json               who is writing it, until the commit (in the durable tier: who uploads it)
         .proof-<rank>.json         what rank r hashed at commit, with inode and times (local tier, never uploaded)
@@ -29,7 +29,7 @@ MANIFEST = "manifest.json"
 DCP_METADATA = ".metadata"
 STATE_FILE = "state.json"
 PACKS_FILE = "packs.json"
-# DCP keys of the flat byte buffers that small plain tensors are packed into (reserved: no state key may start so)
+# DCP keys of the flat byte buffers that earlier releases packed small plain tensors into
 PACK_PREFIX = "__packs__/"
 WRITER_FILE = ".writer.json"
 PROOF_PREFIX = ".proof-"
@@ -64,10 +64,6 @@ def proof_file(rank: int) -> str:
 def rank_prefix(rank: int) -> str:
     """Key prefix of a rank's own tensors: DCP would otherwise collapse equal keys of different ranks."""
     return f"__rank{rank}__/"
-
-
-def pack_key(index: int) -> str:
-    return f"{PACK_PREFIX}{index}"
 
 
 def aside_name(step: int, stamp: str) -> str:

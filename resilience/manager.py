@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
-from resilience import catalog, inplace, packing
+from resilience import catalog, inplace
 from resilience.config import CheckpointConfig, WhenBusy
 from resilience.dist import Groups, node_identity
 from resilience.errors import (
@@ -59,14 +59,13 @@ from resilience.layout import (
 from resilience.lease import Lease, Tenancy
 from resilience.loader import Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
-from resilience.packing import PackLayout
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.progress import still_going
 from resilience.proofs import Proofs
 from resilience.save_handle import Commit, SaveHandle
 from resilience.staging import HostStager, Loan, StagingJob
 from resilience.storage import DurableTier, LocalTier, Tier
-from resilience.survivors import only_held_by, share_among, split_by_origin
+from resilience.survivors import deal_digest, only_held_by, share_among, split_by_origin
 from resilience.tree import flatten
 from resilience.updates import before_update
 
@@ -138,7 +137,6 @@ class CheckpointManager:
         self._staging: StagingJob | None = None
         self._staged: tuple[SaveHandle, StagingJob] | None = None  # the save whose values the buffers hold
         self._loans: list[Loan] = []
-        self._last_layout: PackLayout | None = None
         self._barrier_hooks: list[RemovableHandle] = []
         self._inflight: SaveHandle | None = None
         self._lock = threading.Lock()
@@ -481,11 +479,11 @@ class CheckpointManager:
         errors = self.pipeline.take_errors()
         flat = flatten(state)
         dealt, leaders = split_by_origin(flat.tensors, replicated)
-        layout = self._pack_layout(dealt)
+        digest = deal_digest(dealt)
         writers = [r for r in range(self.world_size) if r not in set(abstain)]
         alone = only_held_by(flat.tensors, set(abstain)) if abstain else []
         any_error, any_busy, any_alone, high, negated_low = self.groups.control.max(
-            [int(bool(errors)), int(busy), int(bool(alone)), layout.digest, -layout.digest]
+            [int(bool(errors)), int(busy), int(bool(alone)), digest, -digest]
         )
         if any_alone:
             what = f" (e.g. {alone[0]!r} here)" if alone else ""
@@ -505,8 +503,8 @@ class CheckpointManager:
             )
         if high != -negated_low:
             raise CheckpointError(
-                "the ranks' shared states differ in their plain tensors (names, dtypes or shapes), so their packs "
-                "would not match: every rank must pass the same tree as state (what differs per rank belongs in "
+                "the ranks' shared states differ in their tensors (names, dtypes or shapes), so their shares would "
+                "not cover the state: every rank must pass the same tree as state (what differs per rank belongs in "
                 "rank_state)",
                 step=step,
             )
@@ -532,20 +530,18 @@ class CheckpointManager:
         rank_flat = flatten(rank_state, prefix=rank_prefix(self.rank)) if rank_state is not None else None
         if not writers:
             raise CheckpointError("every rank abstains from this save: there is no healthy replica to write it")
-        # packs are dealt out like replicated tensors of their size; this rank stages the ones it got
         leader = self.rank == writers[0]
-        shared = share_among(layout.units(dealt), self.rank, writers)
+        shared = share_among(dealt, self.rank, writers)
         if (shared or (leader and leaders)) and self.device_unreadable:
             raise CheckpointError(
                 f"rank {self.rank}'s GPU must not be read ({self.device_unreadable}), yet a save asked it for its "
                 "share: pass the sick ranks as abstain"
             )
-        packs = layout.shares(dealt, [key for key in shared if key in layout.sizes])
-        tensors = {key: t for key, t in shared.items() if key not in packs}
+        tensors = dict(shared)
         tensors.update(leaders if leader else {})
         tensors.update(rank_flat.tensors if rank_flat else {})
         self._loans = []  # every loan is back (waited for above, or none was out: busy)
-        staging = self._stager.stage(tensors, asynchronous=self.config.async_staging, packs=packs)
+        staging = self._stager.stage(tensors, asynchronous=self.config.async_staging)
         handle = SaveHandle(step)
         self._staged = (handle, staging)
         if not self.config.async_staging:
@@ -568,7 +564,6 @@ class CheckpointManager:
                 run_id=self.run_id,
                 writer=self.owner.to_json() if self.owner is not None else None,
                 pieces={k: _create_write_items(k, t) for k, t in tensors.items() if isinstance(t, DTensor)},
-                packs=layout.encoded if layout else None,
                 record_crcs=record_crcs,
             )
         )
@@ -588,7 +583,7 @@ class CheckpointManager:
         return handle
 
     def lend_staged(self, handle: SaveHandle) -> Loan | None:
-        """The tensors ``handle``'s save staged on this rank (plain tensors and packs, by DCP key), lent until
+        """The tensors ``handle``'s save staged on this rank (plain tensors, by DCP key), lent until
         the loan is given back: the next save waits for that before it copies into the buffers. None when the
         buffers hold a later save's values already. For a reader of the step that would otherwise read back the
         files just written from them (a name's writer); it must still wait for ``handle.committed``.
@@ -602,15 +597,6 @@ class CheckpointManager:
 
     def _lent(self) -> list[Loan]:
         return [loan for loan in self._loans if not loan.returned.done()]
-
-    def _pack_layout(self, tensors: dict[str, Any]) -> PackLayout:
-        """Where this save packs its small plain tensors; the previous save's layout when the same (its views
-        into the staging buffers are kept with it)."""
-        layout = packing.plan(tensors, below_bytes=self.config.pack_tensor_bytes, pack_bytes=self.config.pack_bytes)
-        if self._last_layout is not None and self._last_layout == layout:
-            return self._last_layout
-        self._last_layout = layout
-        return layout
 
     def wait_for_staging(self) -> None:
         """With ``async_staging``: return once the state may be changed again (call before ``optimizer.step()``)."""

@@ -34,7 +34,6 @@ from resilience.layout import (
     DCP_METADATA,
     LEASE_DIR,
     MANIFEST,
-    PACKS_FILE,
     STATE_FILE,
     WRITER_FILE,
     rank_state_file,
@@ -64,7 +63,6 @@ class WriteJob:
     run_id: str | None = None
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
-    packs: bytes | None = None  # packs.json: where the packed tensors lie (None: nothing packed)
     record_crcs: bool = False  # the shards' zip records get CRC-32s (see CheckpointManager.save)
 
 
@@ -253,9 +251,6 @@ class Pipeline:
             mine = [(name, "shard") for name in sorted(writer.written)]
             if self.rank == 0:
                 mine.append((DCP_METADATA, "dcp-metadata"))
-                if job.packs is not None:
-                    mine.append((PACKS_FILE, "packs"))
-                    self._write_bytes(local_dir, PACKS_FILE, job.packs)
             if job.skeleton is not None:  # the leader's (the lowest rank writing)
                 mine.append((STATE_FILE, "state"))
                 self._write_json(local_dir, STATE_FILE, job.skeleton)

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from resilience.config import CheckpointConfig
-from resilience.packing import PackShare, Slot
 from resilience.shm import create_segment, map_segment, release_segment
 
 log = logging.getLogger(__name__)
@@ -91,7 +90,6 @@ class HostStager:
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._shared = shared
         self._buffers: dict[str, torch.Tensor] = {}
-        self._views: dict[str, tuple[torch.Tensor, tuple[Slot, ...], list[torch.Tensor]]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -100,15 +98,8 @@ class HostStager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        asynchronous: bool = False,
-        packs: Mapping[str, PackShare] | None = None,
-    ) -> StagingJob:
-        """Copy ``tensors`` into the buffers, and the tensors of each of ``packs`` into their slots of that pack's
-        buffer (one flat byte buffer per pack); with ``asynchronous`` return before the copy has finished."""
+    def stage(self, tensors: Mapping[str, torch.Tensor], *, asynchronous: bool = False) -> StagingJob:
+        """Copy ``tensors`` into the buffers; with ``asynchronous`` return before the copy has finished."""
         staged: dict[str, torch.Tensor] = {}
         cuda_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         cpu_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -121,12 +112,6 @@ class HostStager:
                 staged[key] = (
                     DTensor(buffer, tensor._spec, requires_grad=False) if isinstance(tensor, DTensor) else buffer
                 )
-            for key, share in (packs or {}).items():  # members are on CPU or CUDA (packing.packable)
-                cuda = any(source.is_cuda for source in share.sources)
-                buffer = self._buffer(key, (share.nbytes,), torch.uint8, cuda=cuda)
-                for view, source in zip(self._pack_views(key, buffer, share.slots), share.sources, strict=True):
-                    (cuda_pairs if source.is_cuda else cpu_pairs).append((view, source))
-                staged[key] = buffer
         event = self._copy_cuda(cuda_pairs, asynchronous) if cuda_pairs else None
         cpu_copy: Future[None] | None = None
         if cpu_pairs and asynchronous:
@@ -153,16 +138,6 @@ class HostStager:
             self._buffers[key] = buffer
         return buffer
 
-    def _pack_views(self, key: str, buffer: torch.Tensor, slots: tuple[Slot, ...]) -> list[torch.Tensor]:
-        """A view of ``buffer`` per slot, kept while the pack's buffer and layout stay the same (making 10,000
-        views costs more than copying 10,000 small tensors into them)."""
-        cached = self._views.get(key)
-        if cached is not None and cached[0] is buffer and cached[1] == slots:
-            return cached[2]
-        views = [slot.view(buffer) for slot in slots]
-        self._views[key] = (buffer, slots, views)
-        return views
-
     def _copy_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], asynchronous: bool) -> torch.cuda.Event:
         current = torch.cuda.current_stream()
         stream = current
@@ -187,7 +162,6 @@ class HostStager:
         for buffer in self._buffers.values():
             _release(buffer)
         self._buffers.clear()
-        self._views.clear()
 
 
 class Loan:
@@ -200,8 +174,8 @@ class Loan:
     them, which is why that save waits for every loan of them to come back.
 
     Args:
-        tensors: The save's staged tensors on this rank, by DCP key (plain tensors and packs: a DTensor's buffer
-            holds its local shard, not the tensor).
+        tensors: The save's staged tensors on this rank, by DCP key (a DTensor's buffer holds its local shard, not
+            the tensor).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor]):

@@ -28,16 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
-from resilience import packing, proofs
+from resilience import proofs
 from resilience.errors import CheckpointError, describe
 from resilience.fencing import DurableGuard
-from resilience.layout import DCP_METADATA, MANIFEST, PACKS_FILE, STATE_FILE, rank_prefix, rank_state_file
+from resilience.layout import DCP_METADATA, MANIFEST, STATE_FILE, rank_prefix, rank_state_file
 from resilience.loader import MetadataUnpickler
 from resilience.manifest import FileEntry, Manifest, hash_stream
-from resilience.packing import PackLayout
 from resilience.pipeline import PiecePlanner, RecordingWriter, versions
 from resilience.staging import HostStager
 from resilience.storage import fsync_dir
@@ -117,6 +117,13 @@ def share_among(tensors: dict[str, torch.Tensor], rank: int, writers: list[int])
     return mine
 
 
+def deal_digest(tensors: dict[str, torch.Tensor]) -> int:
+    """A 62-bit fingerprint of what :func:`share_among` deals (keys, dtypes, shapes, in order), for ranks to check
+    in one all-reduce that they deal alike: ranks that dealt different trees would leave some tensor unwritten."""
+    described = [f"{key}\0{tensor.dtype}\0{tuple(tensor.shape)}" for key, tensor in tensors.items()]
+    return xxhash.xxh3_64_intdigest("\n".join(described).encode()) >> 2
+
+
 def split_by_origin(
     tensors: dict[str, torch.Tensor], replicated: Collection[str] | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -153,7 +160,7 @@ def missing_chunks(metadata: Metadata) -> list[str]:
 
 def missing_entries(metadata: Metadata, needed: list[str]) -> list[str]:
     """What keeps ``metadata`` from holding the whole state: tensors with missing chunks, and ``needed`` DCP keys
-    (plain tensors, packs) that no survivor wrote, such as a DTensor held only on the lost part of its mesh."""
+    that no survivor wrote, such as a DTensor held only on the lost part of its mesh."""
     return missing_chunks(metadata) + [key for key in needed if key not in metadata.state_dict_metadata]
 
 
@@ -164,9 +171,10 @@ def only_held_by(tensors: dict[str, torch.Tensor], ranks: set[int]) -> list[str]
 
 @dataclass
 class _Share:
-    """What a survivor's write was planned from: the pack layout, and the DCP keys the shared state needs."""
+    """What a survivor's write was planned from: the fingerprint of the deal, and the DCP keys the shared state
+    needs."""
 
-    layout: PackLayout
+    digest: int
     needed: list[str]
 
 
@@ -248,7 +256,7 @@ def survivor_save(
             return _done(outcome, start)
         theirs = lost if rank == coordinator else set()
         entries, share = _write_share(manager, step, shared, rank_state, survivors, theirs, liveness)
-        board.post(f"files-{rank}", {"files": [entry.__dict__ for entry in entries], "packs": share.layout.digest})
+        board.post(f"files-{rank}", {"files": [entry.__dict__ for entry in entries], "deal": share.digest})
         if rank == coordinator:
             board.post("done", _commit(manager, board, step, shared, survivors, lost, share))
         done = board.wait("done")
@@ -295,18 +303,14 @@ def _write_share(
     lost: set[int],
     liveness: Liveness,
 ) -> tuple[list[FileEntry], _Share]:
-    """This survivor's files (and, for the coordinator, the lost ranks' own state and the pack layout); returns them,
-    hashed, and what the coordinator checks the merged metadata against."""
+    """This survivor's files (and, for the coordinator, the lost ranks' own state); returns them, hashed, and what
+    the coordinator checks the merged metadata against."""
     rank = manager.rank
     step_dir = manager.local.step_path(step)
     flat = flatten(shared.state)
     dealt, leaders = split_by_origin(flat.tensors, shared.replicated)
-    config = manager.config
-    layout = packing.plan(dealt, below_bytes=config.pack_tensor_bytes, pack_bytes=config.pack_bytes)
-    tensors = share_among(layout.units(dealt), rank, survivors)
-    packs = layout.shares(dealt, [key for key in tensors if key in layout.sizes])
-    tensors = {key: t for key, t in tensors.items() if key not in packs}
-    needed = [key for key in flat.tensors if key not in layout.slots] + list(layout.sizes)
+    tensors = share_among(dealt, rank, survivors)
+    needed = list(flat.tensors)
     own = flatten(rank_state, prefix=rank_prefix(rank)) if rank_state is not None else None
     skeletons: dict[str, Any] = {}
     if own is not None:
@@ -324,7 +328,7 @@ def _write_share(
             else:
                 log.warning("rank %d left no state of step %d: its RNG and data position start afresh", other, step)
     stager = HostStager(pin_memory=False)
-    staged = stager.stage(tensors, packs=packs).wait()  # a copy off the device; the training thread is stopped
+    staged = stager.stage(tensors).wait()  # a copy off the device; the training thread is stopped
     os.makedirs(step_dir, exist_ok=True)
     # Buffered, whatever direct_io says: a restart in place reads this save back at once, from the page cache.
     writer = _SoloWriter(step_dir, rank, sync_files=manager.config.fsync)
@@ -337,11 +341,7 @@ def _write_share(
         with open(os.path.join(step_dir, name), "w") as stream:
             json.dump(skeleton, stream, allow_nan=False, separators=(",", ":"))
         names.append((name, "state"))
-    if rank == survivors[0] and layout:
-        with open(os.path.join(step_dir, PACKS_FILE), "wb") as out:
-            out.write(layout.encoded)
-        names.append((PACKS_FILE, "packs"))
-    return proofs.hashed(step_dir, rank, names, writer.hashes), _Share(layout, needed)
+    return proofs.hashed(step_dir, rank, names, writer.hashes), _Share(deal_digest(dealt), needed)
 
 
 def _commit(
@@ -356,11 +356,11 @@ def _commit(
     """The coordinator: one DCP metadata from the survivors' own, every tensor whole, then the manifest."""
     posts = board.wait_all("files", survivors)
     step_dir = manager.local.step_path(step)
-    if any(posts[rank]["packs"] != share.layout.digest for rank in survivors):
+    if any(posts[rank]["deal"] != share.digest for rank in survivors):
         manager.local.remove_dir(step_dir)
         return {
             "committed": False,
-            "reason": "the survivors' shared states differ in their plain tensors, so their packs would not match",
+            "reason": "the survivors' shared states differ in their tensors, so their shares would not cover the state",
         }
     entries = [FileEntry(**item) for rank in survivors for item in posts[rank]["files"]]
     parts = [e for e in entries if e.kind == "dcp-metadata"]

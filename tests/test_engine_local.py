@@ -48,7 +48,7 @@ def test_save_commit_load_roundtrip(tmp_path: Path) -> None:
         assert handle is not None and handle.committed.result(30).step == 5
     manifest = json.loads((tmp_path / "step-5" / "manifest.json").read_text())
     assert manifest["step"] == 5 and manifest["world_size"] == 1
-    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state", "packs"}  # w, b: packed
+    assert {f["kind"] for f in manifest["files"]} == {"shard", "dcp-metadata", "state"}
     for entry in manifest["files"]:
         assert (tmp_path / "step-5" / entry["path"]).stat().st_size == entry["size"]
     with manager(tmp_path) as m:
@@ -80,7 +80,7 @@ def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_pla
     from resilience.loader import load_dcp_metadata, read_tensors
 
     state = {"big": torch.randn(300, 300), "tiny": torch.arange(5.0), "half": torch.randn(4, 8)}
-    with manager(tmp_path, pack_tensor_bytes=64) as m:  # "tiny" is packed with the others' bytes aside
+    with manager(tmp_path) as m:
         m.save(1, state)
     (entry,) = [e for e in catalog.scan(LocalTier(tmp_path)) if e.committed]
     metadata = load_dcp_metadata(entry)
@@ -89,7 +89,7 @@ def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_pla
     read_tensors(entry, metadata, tensors, adopt={"big"})
     assert tensors["big"] is not placeholder and torch.equal(tensors["big"], state["big"])
     assert tensors["half"] is given and torch.equal(given, state["half"])
-    with manager(tmp_path) as m:  # the whole load, packs included, gives the saved values
+    with manager(tmp_path) as m:  # the whole load gives the saved values
         restored = m.load()
     assert restored is not None
     assert all(torch.equal(restored.state[key], value) for key, value in state.items())  # type: ignore[index]
@@ -152,10 +152,9 @@ def test_host_buffers_are_reused_across_saves(tmp_path: Path) -> None:
         assert {k: v.data_ptr() for k, v in m._stager._buffers.items()} == buffers
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_buffer_made_anew_for_another_shape_reaches_the_helper(tmp_path: Path, packed: bool) -> None:
+@pytest.mark.parametrize("numel", [1000, 300_000])
+def test_a_buffer_made_anew_for_another_shape_reaches_the_helper(tmp_path: Path, numel: int) -> None:
     """The new buffer may be mapped where the old one was: the helper must be told by segment, not address."""
-    numel = 1000 if packed else 300_000  # packed: the pack's size changes with it
     with manager(tmp_path, keep_last=3, persist="process") as m:
         for step, extra in ((1, 0), (2, 64), (3, 0)):
             m.save(step, {"w": torch.arange(float(numel + extra))})
@@ -498,14 +497,14 @@ def test_a_save_committed_just_before_the_helper_died_stays_saved(tmp_path: Path
 
 
 def test_thousands_of_staged_tensors_need_no_file_descriptor_each(tmp_path: Path) -> None:
-    """Unpacked tensors (a sharded strategy's saves pack none) each get a staging segment; with a descriptor held
-    per segment, 600 of them broke the first save under a limit of 256 open files ("Too many open files")."""
+    """Every tensor gets a staging segment; with a descriptor held per segment, 600 of them broke the first save
+    under a limit of 256 open files ("Too many open files")."""
     script = f"""
 import resource, torch
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 from resilience import CheckpointConfig, CheckpointManager
 state = {{f"t{{i}}": torch.full((100,), float(i)) for i in range(600)}}
-with CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process", pack_tensor_bytes=0)) as m:
+with CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process")) as m:
     m.save(1, state)
     m.wait()
     m.save(2, state)

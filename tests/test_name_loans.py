@@ -41,7 +41,7 @@ def _names_held_back(manager: CheckpointManager, *, off_process: bool, lend: boo
     ("persist", "lend"), [("thread", True), ("process", True), ("thread", False)], ids=["thread", "process", "no-loan"]
 )
 def test_a_name_is_written_from_the_buffers_its_step_was_written_from(tmp_path: Path, persist: str, lend: bool) -> None:
-    state = {"w": torch.randn(300, 100), "b": torch.randn(7)}  # "b" is packed with the other small tensors
+    state = {"w": torch.randn(300, 100), "b": torch.randn(7)}
     name = tmp_path / "out" / "step3.ckpt"
     config = CheckpointConfig(local_root=tmp_path / "ckpt", persist=persist)  # type: ignore[arg-type]
     with CheckpointManager(config) as manager:

@@ -139,8 +139,8 @@ def main() -> None:
         from resilience.names import NameWriter
 
         gen = torch.Generator().manual_seed(5)
-        weights = {f"layer{i}": torch.randn(600, 500, generator=gen) for i in range(4)}  # 1.2 MB each: not packed
-        weights["bias"] = torch.randn(9, generator=gen)  # packed
+        weights = {f"layer{i}": torch.randn(600, 500, generator=gen) for i in range(4)}
+        weights["bias"] = torch.randn(9, generator=gen)
         lent: list[str] = []
         with CheckpointManager(config(args, persist=os.environ["TEST_PERSIST"])) as manager:
             handle = manager.save(1, {"state_dict": weights}, extra={"adapter": "lightning"})

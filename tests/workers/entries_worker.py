@@ -1,9 +1,10 @@
-"""One rank of a gloo job saving and loading packed small tensors; launched by tests/test_packing.py.
+"""One rank of a gloo job saving and loading many small tensors; launched by tests/test_entries.py.
 
-Usage: packing_worker.py SCENARIO ROOT. ``save`` (any number of ranks): step 1 of a state of many small plain
-tensors (several packs, dealt out to every rank) and a DTensor, then a save whose plain tensors differ in shape
-between the ranks, which must fail on every rank. ``load``: loads step 1 without a target and into a target,
-whose small tensors are DTensors sharded over the ranks now (saved plain, as DDP would, loaded as FSDP would).
+Usage: entries_worker.py SCENARIO ROOT. ``save`` (any number of ranks): step 1 of a state of many small plain
+tensors (dealt out to every rank) and a DTensor, then a save whose plain tensors differ in shape between the
+ranks, which must fail on every rank. ``load``: loads step 1 without a target and into a target, whose small
+tensors are DTensors sharded over the ranks now (saved plain, as DDP would, loaded as FSDP would).
+``load-packed``: the same for step 7 of tests/data/packed-step-7, its small tensors packed by an earlier release.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ def expected() -> dict[str, torch.Tensor]:
     return values
 
 
+def packed() -> dict[str, torch.Tensor]:
+    """The tensors of tests/data/packed-step-7 (made so by an earlier release)."""
+    gen = torch.Generator().manual_seed(0)
+    values = {"a.weight": torch.randn(4, 3, generator=gen), "a.bias": torch.randn(4, generator=gen)}
+    values["b.weight"] = torch.randn(100, generator=gen).to(torch.bfloat16)
+    return values
+
+
 def config(root: str) -> CheckpointConfig:
-    # packs of at most 256 bytes: a few dozen of them, so every rank writes some
-    return CheckpointConfig(root, keep_last=2, pack_tensor_bytes=256, pack_bytes=256)
+    return CheckpointConfig(root, keep_last=2)
 
 
 def main() -> None:
@@ -43,7 +51,8 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
-    values = expected()
+    values = packed() if scenario == "load-packed" else expected()
+    step = 7 if scenario == "load-packed" else 1
 
     def dtensor(value: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(value, mesh, [Shard(0)]) if mesh is not None else value
@@ -60,9 +69,9 @@ def main() -> None:
                 print("REFUSED", exc)
         print("SAVED", world)
 
-    elif scenario == "load":
+    elif scenario in ("load", "load-packed"):
         with CheckpointManager(config(root)) as manager:
-            restored = manager.load(step=1)
+            restored = manager.load(step=step)
             assert restored is not None
             for key, value in values.items():
                 got = restored.state["sharded"] if key == "sharded" else restored.state["model"][key]
@@ -74,9 +83,10 @@ def main() -> None:
                     for k, v in values.items()
                     if k != "sharded"
                 },
-                "sharded": dtensor(torch.zeros(8, 4)),
             }
-            restored = manager.load(target, step=1)
+            if "sharded" in values:
+                target["sharded"] = dtensor(torch.zeros(8, 4))
+            restored = manager.load(target, step=step)
             assert restored is not None
             for key, value in values.items():
                 got = restored.state["sharded"] if key == "sharded" else restored.state["model"][key]
