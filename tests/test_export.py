@@ -31,8 +31,12 @@ from lightning_resilience import ResilientCheckpointIO
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
-from resilience.export import METADATA_KEY, dcp_keys, export, remove_stale_temporaries
+from resilience.export import METADATA_KEY, dcp_keys, export, read_committed, remove_stale_temporaries
+from resilience.layout import rank_prefix
+from resilience.storage import LocalTier
+from resilience.tree import flatten
 from tests.helpers import ROOT, WORKERS, base_env
+from tests.test_entries import read_held_out
 from tests.workers.accelerate_train import Job, build_job, train
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -344,6 +348,25 @@ def test_export_from_a_durable_url(tmp_path: Path, s3: dict[str, Any]) -> None:
 
 
 # ---- DCP users -------------------------------------------------------------------------------------------------
+
+
+def assert_dcp_reads_every_tensor(root: Path, step: int, out: Path) -> None:
+    """DCP's own converter and ``dcp.load``, in a process with no pack code, get every tensor the engine's own
+    reader gets from the step, with the same values."""
+    restored = read_committed(LocalTier(root), step)
+    ours = flatten(restored.state).tensors | flatten(restored.rank_state or {}, prefix=rank_prefix(0)).tensors
+    converted, loaded = read_held_out(root / f"step-{step}", out)
+    assert set(loaded) == set(ours) and set(converted) == set(ours), set(ours) ^ set(loaded)
+    for key, tensor in ours.items():
+        assert torch.equal(loaded[key], tensor) and torch.equal(converted[key], tensor), key
+
+
+def test_dcp_reads_every_tensor_of_a_lightning_step(lightning_run: Path, tmp_path: Path) -> None:
+    assert_dcp_reads_every_tensor(lightning_run / "ckpt", 8, tmp_path)
+
+
+def test_dcp_reads_every_tensor_of_an_accelerate_step(accelerate_job: tuple[Job, Path], tmp_path: Path) -> None:
+    assert_dcp_reads_every_tensor(accelerate_job[1], 5, tmp_path)
 
 
 def test_a_step_folder_loads_with_plain_dcp_under_the_engines_keys(tmp_path: Path) -> None:
