@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import secrets
+import sys
 import time
 from multiprocessing import resource_tracker
 from typing import cast
@@ -50,7 +51,8 @@ def create_segment(nbytes: int) -> tuple[str, torch.Tensor]:
         os.ftruncate(fd, nbytes)
     finally:
         os.close(fd)
-    resource_tracker.register(f"/{name}", "shared_memory")  # a clean exit's tracker unlinks it, as SharedMemory's
+    _start_quiet_tracker()
+    resource_tracker.register(f"/{name}", "shared_memory")  # the tracker unlinks it if this process is killed
     return name, map_segment(name, nbytes)
 
 
@@ -72,6 +74,22 @@ def release_segment(name: str) -> None:
         os.unlink(os.path.join(SHM_DIR, name))
     with contextlib.suppress(Exception):
         resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+@functools.cache
+def _start_quiet_tracker() -> None:
+    """Start Python's resource tracker (once per process) with its leak warning off. When a training process is
+    killed (an in-place restart replaces it after its peer died), the tracker unlinks the process's staging
+    segments, which is what it is for, and then warns about "leaked shared_memory objects", listing every name:
+    thousands of them, one per staged tensor, in a recovery that went as planned. The tracker takes its warning
+    filters from ``sys.warnoptions`` when it starts; the filter is there for that moment only. A tracker already
+    started by other code keeps its own settings."""
+    quiet = "ignore:resource_tracker:UserWarning"
+    sys.warnoptions.append(quiet)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(quiet)
 
 
 @functools.cache

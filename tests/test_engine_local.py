@@ -533,6 +533,30 @@ print("SAVED", flush=True)
     assert "leaked shared_memory" not in done.stderr, done.stderr[-3000:]
 
 
+def test_a_process_killed_alone_leaves_no_segment_and_no_leak_warning(tmp_path: Path) -> None:
+    """kill -9 of the training process alone (an in-place restart replaces a rank so): its resource tracker
+    outlives it and unlinks every staging segment, without the warning that listed each of them as leaked."""
+    script = f"""
+import os, signal, torch
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.staging import SEGMENTS
+m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process"))
+m.save(1, {{f"t{{i}}": torch.ones(100) for i in range(50)}})
+m.wait()
+print(" ".join(SEGMENTS.values()), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=base_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr[-3000:]
+    left = done.stdout.split()
+    assert len(left) == 50, done.stdout + done.stderr
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in left) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the tracker notices its pipe's end, then unlinks
+    assert not any(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in left)
+    assert "leaked" not in done.stderr and "resource_tracker" not in done.stderr, done.stderr[-3000:]
+
+
 def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path: Path) -> None:
     """kill -9 of a whole process group (training process, resource tracker, helpers) leaves its /dev/shm
     segments behind; the next process that stages removes them, and never a segment a live process holds."""
