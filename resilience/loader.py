@@ -216,14 +216,54 @@ def _checked_copy(entry: Entry, item: FileEntry) -> Generator[IO[bytes], None, N
         yield copy
 
 
+class ReadCounter:
+    """Bytes read so far by a load, for a progress line (read from another thread: an int is enough)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+class _Counted(io.RawIOBase):
+    """A stream whose reads add to a :class:`ReadCounter`; everything else goes to the stream."""
+
+    def __init__(self, stream: Any, read: ReadCounter):
+        self.stream = stream
+        self.counter = read
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return bool(self.stream.seekable())
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return int(self.stream.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self.stream.tell())
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.counter.bytes += len(data)
+        return bytes(data)
+
+    def readinto(self, buffer: Any) -> int:
+        count = int(self.stream.readinto(buffer))
+        self.counter.bytes += count
+        return count
+
+
 class _TierFileSystem(FileSystemBase):
     """DCP's file-system interface, for reading only, over a tier's fsspec filesystem (and a local copy)."""
 
-    def __init__(self, tier: Tier, root: str, local: LocalCopy | None, check: Entry | None):
+    def __init__(
+        self, tier: Tier, root: str, local: LocalCopy | None, check: Entry | None, read: ReadCounter | None = None
+    ):
         self.tier = tier
         self.root = root
         self.local = local
         self.check = check
+        self.read = read
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -237,7 +277,7 @@ class _TierFileSystem(FileSystemBase):
         else:
             opened = self.tier.open(os.fspath(path))
         with opened as stream:
-            yield stream
+            yield stream if self.read is None else _Counted(stream, self.read)
 
     def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
         return f"{os.fspath(path)}/{suffix}"
@@ -278,9 +318,10 @@ class _VerifiedReader(FileSystemReader):
         local: LocalCopy | None,
         check_reads: bool,
         adoptable: dict[str, torch.Tensor] | None = None,
+        read: ReadCounter | None = None,
     ):
         super().__init__(entry.path)
-        self.fs = _TierFileSystem(entry.tier, entry.path, local, entry if check_reads else None)  # type: ignore[assignment]
+        self.fs = _TierFileSystem(entry.tier, entry.path, local, entry if check_reads else None, read)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
         self.adoptable = adoptable or {}
@@ -434,13 +475,14 @@ def run_load(
     local: Tier | None = None,
     check_reads: bool = False,
     trust_proofs: bool = False,
+    read: ReadCounter | None = None,
 ) -> Restored:
     """Read the shards (collective when distributed) and rebuild the trees.
 
     With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
     are read there (:class:`LocalCopy`; with ``trust_proofs``, known unchanged by this node's proofs when they
     hold). ``check_reads``: shards were not hashed before the load; each is checked as it is read
-    (:func:`_checked_copy`).
+    (:func:`_checked_copy`). ``read`` counts the bytes read as they come.
     """
     assert entry.manifest is not None
     copy = None
@@ -449,7 +491,14 @@ def run_load(
         found = Proofs(where) if trust_proofs else None
         copy = LocalCopy(local, where, {f.path: f for f in entry.manifest.files}, found)
     read_tensors(
-        entry, plan.metadata, plan.tensors, group=group, local=copy, check_reads=check_reads, adopt=plan.allocated
+        entry,
+        plan.metadata,
+        plan.tensors,
+        group=group,
+        local=copy,
+        check_reads=check_reads,
+        adopt=plan.allocated,
+        read=read,
     )
     tensors = plan.tensors
     if plan.layout is not None and plan.packed:
@@ -475,10 +524,11 @@ def read_tensors(
     local: LocalCopy | None = None,
     check_reads: bool = False,
     adopt: Collection[str] = (),
+    read: ReadCounter | None = None,
 ) -> None:
     """Fill ``tensors`` (DCP keys to targets) from the shards, those ``local`` holds from there; collective when
     ``group`` is given. The targets of the keys in ``adopt`` may be replaced by the tensors read instead."""
-    reader = _VerifiedReader(entry, metadata, local, check_reads, {key: tensors[key] for key in adopt})
+    reader = _VerifiedReader(entry, metadata, local, check_reads, {key: tensors[key] for key in adopt}, read)
     try:
         dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
         tensors.update(reader.adopted)

@@ -57,7 +57,7 @@ from resilience.layout import (
     rank_prefix,
 )
 from resilience.lease import Lease, Tenancy
-from resilience.loader import Restored, plan_load, run_load
+from resilience.loader import ReadCounter, Restored, plan_load, run_load
 from resilience.owners import Owner, Owners, writer_alive
 from resilience.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.progress import still_going
@@ -782,11 +782,15 @@ class CheckpointManager:
                 local=self.local,
                 check_reads=not self._hashes_before_load(entry),
                 trust_proofs=self.config.verify == "auto",
+                read=counter,
             )
 
         self.groups.control.agree(plan)
+        counter = ReadCounter()
         size = f"{entry.manifest.total_bytes / 2**30:.2f} GiB" if entry.manifest is not None else "size unknown"
-        with still_going(f"reading step {entry.step} from the {entry.tier.name} tier ({size})", enabled=self.rank == 0):
+        what = f"reading step {entry.step} from the {entry.tier.name} tier ({size})"
+        done = (lambda: f"{counter.bytes / 2**30:.2f} GiB read here") if self.rank == 0 else None
+        with still_going(what, enabled=self.rank == 0, detail=done):
             self.groups.control.agree(read)
         restored: Restored = box["restored"]
         return restored

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -14,8 +14,11 @@ EVERY_S = 30.0
 
 
 @contextlib.contextmanager
-def still_going(what: str, *, every_s: float = EVERY_S, enabled: bool = True) -> Iterator[None]:
-    """While the block runs, log ``"<what>: N s so far"`` every ``every_s`` seconds (nothing for a short block).
+def still_going(
+    what: str, *, every_s: float = EVERY_S, enabled: bool = True, detail: Callable[[], str] | None = None
+) -> Iterator[None]:
+    """While the block runs, log ``"<what>: N s so far"`` every ``every_s`` seconds (nothing for a short block),
+    with ``detail()`` (e.g. the bytes done) before the seconds.
 
     A restore from object storage can read for minutes before its one closing line; without a word in between, a
     user cannot tell a slow read from a hung one.
@@ -28,7 +31,8 @@ def still_going(what: str, *, every_s: float = EVERY_S, enabled: bool = True) ->
 
     def report() -> None:
         while not done.wait(every_s):
-            log.info("%s: %.0f s so far", what, time.monotonic() - began)
+            done_yet = f"{detail()}, " if detail is not None else ""
+            log.info("%s: %s%.0f s so far", what, done_yet, time.monotonic() - began)
 
     thread = threading.Thread(target=report, name="resilience-progress", daemon=True)
     thread.start()
