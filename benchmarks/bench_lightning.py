@@ -43,8 +43,8 @@ variant's added time into a once-per-fit part and a per-save part, by a least-sq
 medians against their saves per fit. With ModelCheckpoint, ours writes each checkpoint twice: the engine's committed
 step, then, from it, the ``.ckpt`` file at the name Lightning asks for (after the commit: in the background at 64 MB
 of tensors and more, ``sync_names_below_mb``, before ``save_checkpoint`` returns below that, so at smoke sizes ours
-waits for every commit); ``--variants ... ours-periodic`` adds ours saving through ``PeriodicCheckpoint``, which
-makes no names.
+waits for every commit); ``--variants ... ours-periodic`` (``ours-periodic-sync``: sync staging) adds ours saving
+through ``PeriodicCheckpoint``, which makes no names.
 
     .venv/bin/python -m benchmarks.bench_lightning --mode blocking [--size-gb 1.6] [--saves 4] [--repeats 1]
     .venv/bin/python -m benchmarks.bench_lightning --mode throughput [--size-gb 0.4] [--steps 100] [--every 10]
@@ -59,7 +59,7 @@ import logging
 import shutil
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,7 @@ NO_SAVES, TORCH_IO, ASYNC_IO, SYNC, ASYNC, FLOOR = (
     "floor: copy into preallocated buffers",
 )
 PERIODIC = "ours, async staging, PeriodicCheckpoint (no .ckpt names)"
+PERIODIC_SYNC = "ours, sync staging, PeriodicCheckpoint (no .ckpt names)"
 BUFFERED = "ours, async staging, buffered writes (direct_io=False)"
 
 
@@ -167,6 +168,7 @@ PLUGINS: dict[str, Callable[[Path], CheckpointIO | None]] = {
     ASYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
     FLOOR: lambda root: HostCopyIO(),
     PERIODIC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
+    PERIODIC_SYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2),
     BUFFERED: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True, direct_io=False),
     DCP_ASYNC: lambda root: DcpProcessIO(),
     DCP_SYNC: lambda root: DcpProcessIO(async_staging=False),
@@ -178,6 +180,7 @@ ADDED_KEYS = {
     "ours-async": ASYNC,
     "floor": FLOOR,
     "ours-periodic": PERIODIC,
+    "ours-periodic-sync": PERIODIC_SYNC,
     "ours-buffered": BUFFERED,
     **DCP_KEYS,
 }
@@ -246,13 +249,8 @@ def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], dra
 
 def helpers(variant: str) -> set[int]:
     """The helpers outliving a fit that ``variant``'s fits count in their host memory (ours: the fork server)."""
-    ours, dcp = variant in (SYNC, ASYNC, PERIODIC, BUFFERED), variant in (DCP_ASYNC, DCP_SYNC)
+    ours, dcp = variant in (SYNC, ASYNC, PERIODIC, PERIODIC_SYNC, BUFFERED), variant in (DCP_ASYNC, DCP_SYNC)
     return persistent_helpers("ours" if ours else "dcp" if dcp else "")
-
-
-def versus(a: float, b: float, digits: int = 2, variant: str = "", among: Sequence[str] = ()) -> str:
-    """``a / b``, or "-" when ``variant`` (the one ``b`` is of) did not run."""
-    return f"{ratio(a, b):.{digits}f}" if variant in among else "-"
 
 
 def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
@@ -273,6 +271,9 @@ def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
     def block(variant: str) -> Stats:
         return Stats.of(b["block"] for b in later.get(variant, ()))
 
+    def versus(a: float, b: float, form: str, of: str) -> str:  # a / b, "-" if the variant ``of`` did not run
+        return form.format(ratio(a, b)) if of in variants else "-"
+
     floor, async_io = block(FLOOR).median, block(ASYNC_IO).median
     report.table(
         [
@@ -289,8 +290,8 @@ def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
                 Stats.of(first[v]).fmt(),
                 block(v).fmt(),
                 Stats.of(b["wait"] for b in later[v]).fmt(),
-                versus(block(v).median, floor, 2, FLOOR, variants),
-                versus(async_io, block(v).median, 1, ASYNC_IO, variants),
+                versus(block(v).median, floor, "{:.2f}", FLOOR),
+                versus(async_io, block(v).median, "{:.1f}x", ASYNC_IO),
             ]
             for v in variants
         ],
@@ -408,7 +409,7 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
     io = PLUGINS[variant](directory)
     end = TrainingEnd()
     callbacks: list[pl.Callback] = [end]
-    if variant == PERIODIC:
+    if variant in (PERIODIC, PERIODIC_SYNC):
         callbacks.append(PeriodicCheckpoint(every_n_steps=every))
     elif variant != NO_SAVES:
         callbacks.append(CountedCheckpoint(dirpath=directory / "names", every_n_train_steps=every, save_top_k=-1))
@@ -455,7 +456,7 @@ def added(args: Any, model: Net, root: Path, report: Report) -> None:
         no_saves=NO_SAVES,
         floor=FLOOR,
         rival=ASYNC_IO,
-        ours=[v for v in (ASYNC, SYNC, PERIODIC, BUFFERED) if v in variants],
+        ours=[v for v in (ASYNC, SYNC, PERIODIC, PERIODIC_SYNC, BUFFERED) if v in variants],
         notes=[
             "A run is one `Trainer.fit()`; its wall time runs from the `fit()` call to the last save complete "
             "(committed, for ours, and its `.ckpt` name written). TorchCheckpointIO's and AsyncCheckpointIO's "
@@ -498,11 +499,11 @@ def main() -> None:
         choices=list(ADDED_KEYS),
         default=list(ADDED_DEFAULT),
         help="variants besides the no-save fit (default %(default)s); blocking and throughput save through "
-        "trainer.save_checkpoint(path), which names, so ours-periodic is for added only",
+        "trainer.save_checkpoint(path), which names, so ours-periodic(-sync) is for added only",
     )
     args = parse(p)
-    if args.mode != "added" and "ours-periodic" in args.variants:
-        p.error("ours-periodic (PeriodicCheckpoint, no .ckpt names) is for --mode added only")
+    if args.mode != "added" and {"ours-periodic", "ours-periodic-sync"} & set(args.variants):
+        p.error("ours-periodic and ours-periodic-sync (PeriodicCheckpoint, no .ckpt names) are for --mode added only")
     args.size_gb = args.size_gb or {"blocking": 1.6, "throughput": 0.4, "added": 1.6}[args.mode]
     args.steps = args.steps or (16 if args.mode == "added" else 100)
     if args.mode == "added":
