@@ -49,7 +49,8 @@ class DcpProcessIO(CheckpointIO):
     before the next update is a callback's (``callbacks()``: ``on_before_optimizer_step`` runs after the step's
     forward and backward, just before the update, so the copy overlaps them). ``teardown()`` (end of ``fit()``)
     waits for the last save, so a fit ends with its checkpoints complete, as with AsyncCheckpointIO and ours;
-    ``close()``, after the benchmark's clock stops, ends DCP's process and frees the staging buffers.
+    ``close()``, after the benchmark's clock stops, frees the staging buffers and process groups (DCP's process
+    stays for the next fit, as it stays for the life of a training process).
     """
 
     def __init__(self, async_staging: bool = True) -> None:
