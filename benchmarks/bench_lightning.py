@@ -4,42 +4,47 @@ A LightningModule of 8 x Linear(w, w) with Adam (w from --size-gb; 1.6 GB gives 
 ``Trainer(accelerator="cpu")`` (``--accelerator gpu``: one CUDA device, each step's input made once on it; the
 floor's buffers are then pinned, so it is the pinned device-to-host copy of the state), one fit per variant per
 round, variants in rotating order. Saves go through ``trainer.save_checkpoint`` from a callback on the training
-thread; blocking = the wall time of that call, plus
-for our asynchronous staging the wait the engine's optimizer pre-step hook makes the next ``optimizer.step()``
-do (read from the engine's counters). Variants: TorchCheckpointIO (Lightning's default), AsyncCheckpointIO
-(clones every tensor on the training thread, then torch.save in a thread), ours (``ResilientCheckpointIO``)
-with synchronous and asynchronous staging, and the floor (a CheckpointIO that copies every tensor into
-preallocated buffers and writes nothing).
+thread; blocking = the wall time of that call, plus for asynchronous staging the wait it makes the next
+``optimizer.step()`` do (ours: the engine's pre-step hook; the DCP recipe: ``on_before_optimizer_step``; read
+from their counters). Variants (--variants, every mode): TorchCheckpointIO (Lightning's default),
+AsyncCheckpointIO (clones every tensor on the training thread, then torch.save in a thread), ours
+(``ResilientCheckpointIO``) with synchronous and asynchronous staging, DCP's process-based ``async_save`` with
+a persistent ``DefaultStager`` (``dcp-process``; ``dcp-process-sync`` stages within the call; the recipe and why:
+``benchmarks/dcp_recipe.py``; the CheckpointIO: ``benchmarks/lightning_io.py``), and the floor (a CheckpointIO
+that copies every tensor into preallocated buffers and writes nothing). Every mode also reports each variant's
+peak host memory per fit, of the training process and every process it started (``benchmarks/host_memory.py``).
 
---mode blocking: each fit saves every 2nd step and, at the end of the step after a save, waits for that save
-to complete, so each save is timed on a quiet machine; the first save of a fit (it allocates the reused
-buffers) is reported apart.
---mode throughput: 100 steps with a save every 10 (at steps 5, 15, ..., 95, so each save's background work
-falls inside the run), next to the same fit without saves; the fit's end waits for the last save (and, for
-ours, its ``.ckpt`` file). Besides the whole fit, the steady state a long run is made of: the save intervals
-but each fit's first and last (the first save's allocation, the final wait: once per run). --batch sets the
-compute per step against the same state (a GPU step does far more work per byte of state than this CPU one).
---mode added: what a save adds to a real fit, wall time and CPU time. Each fit is ``Trainer.fit()`` of --steps
-steps (default 16) with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`` for each N of --every (default
-4 and 8), so a fit makes steps // N saves. A fit's wall time runs from the ``fit()`` call until it has returned
-and its last save is complete: Lightning's teardown waits for AsyncCheckpointIO's thread and for our engine's
-commit and ``.ckpt`` names; ``drain`` then confirms it. Paired rounds: a round holds, for each N, one fit of every
-variant and one fit without saves, in an order that rotates from turn to turn; a variant's added wall time per
-save in that round is (its fit's wall time - the same round's no-save fit's) / its saves; the same until training
-ended (``on_train_end``, before the teardown's wait for the last save, which a fit pays once, however long it
-runs), and that wait apart. The same from CPU time:
-user + system seconds of the training process (all threads) and of every process it started, the helper process
-our engine persists in by default (``persist="process"``) included, whether still running (psutil, live
-descendants) or exited (``RUSAGE_CHILDREN``, and the fork server's own reaped children); see
-``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default 3) after an untimed warm-up round of one
-short fit per variant (the helper's fork server starts, buffers are allocated, pages are faulted in). Our
-engine's per-fit start (manager, helper process) is inside the fit and so shared out over its saves; a last
-table splits each variant's added time into a once-per-fit part and a per-save part, by a least-squares line
-through the intervals' medians against their saves per fit. With ModelCheckpoint, ours writes each checkpoint
-twice: the engine's committed step, then, from it, the ``.ckpt`` file at the name Lightning asks for (after the
-commit: in the background at 64 MB of tensors and more, ``sync_names_below_mb``, before ``save_checkpoint``
-returns below that, so at smoke sizes ours waits for every commit); ``--variants ... ours-periodic`` adds ours
-saving through ``PeriodicCheckpoint``, which makes no names.
+--mode blocking: after a warm-up fit per variant with one save (throughput too), each fit saves every 2nd step and,
+at the end of the step after a save, waits for that save to complete, so each save is timed on a quiet machine; the
+first save of a fit (it allocates the reused buffers) is reported apart.
+--mode throughput: 100 steps with a save every 10 (at steps 5, 15, ..., 95, so each save's background work falls
+inside the run), next to the same fit without saves; the fit's end waits for the last save (and, for ours, its
+``.ckpt`` file; a fit's files are removed after it). Besides the whole fit, the steady state a long run is made of:
+the save intervals but each fit's first and last (the first save's allocation, the final wait: once per run).
+--batch sets the compute per step against the same state (a GPU step does far more work per byte of state than this
+CPU one).
+--mode added: what a save adds to a real fit, wall time and CPU time. Each fit is ``Trainer.fit()`` of --steps steps
+(default 16) with ``ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`` for each N of --every (default 4 and 8),
+so a fit makes steps // N saves. A fit's wall time runs from the ``fit()`` call until it has returned and its last
+save is complete: Lightning's teardown waits for AsyncCheckpointIO's thread, the DCP recipe's last upload, and our
+engine's commit and ``.ckpt`` names; ``drain`` then confirms it. Paired rounds: a round holds, for each N, one fit
+of every variant and one fit without saves, in an order that rotates from turn to turn; a variant's added wall time
+per save in that round is (its fit's wall time - the same round's no-save fit's) / its saves; the same until
+training ended (``on_train_end``, before the teardown's wait for the last save, which a fit pays once, however long
+it runs), and that wait apart. The same from CPU time: user + system seconds of the training process (all threads)
+and of every process it started, the helper process our engine persists in by default (``persist="process"``) and
+DCP's checkpoint process included, whether still running (psutil, live descendants) or exited (``RUSAGE_CHILDREN``,
+and the fork server's own reaped children); see ``common.cpu_seconds``. Medians [IQR] over --rounds rounds (default
+3) after an untimed warm-up round of one short fit per variant (the helper's fork server starts, buffers are
+allocated, pages are faulted in, DCP's process starts: it imports this module again; it and our fork server are kept
+from fit to fit, as a training process keeps them). Our engine's per-fit start (manager, helper process) is inside
+the fit and so shared out over its saves, as is the DCP recipe's (process groups, stager); a last table splits each
+variant's added time into a once-per-fit part and a per-save part, by a least-squares line through the intervals'
+medians against their saves per fit. With ModelCheckpoint, ours writes each checkpoint twice: the engine's committed
+step, then, from it, the ``.ckpt`` file at the name Lightning asks for (after the commit: in the background at 64 MB
+of tensors and more, ``sync_names_below_mb``, before ``save_checkpoint`` returns below that, so at smoke sizes ours
+waits for every commit); ``--variants ... ours-periodic`` (``ours-periodic-sync``: sync staging) adds ours saving
+through ``PeriodicCheckpoint``, which makes no names.
 
     .venv/bin/python -m benchmarks.bench_lightning --mode blocking [--size-gb 1.6] [--saves 4] [--repeats 1]
     .venv/bin/python -m benchmarks.bench_lightning --mode throughput [--size-gb 0.4] [--steps 100] [--every 10]
@@ -61,13 +66,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import (
     LAYERS,
-    HostCopy,
     Report,
     Stats,
     cpu_seconds,
@@ -79,10 +83,12 @@ from benchmarks.common import (
     report_added,
     rotated,
     scratch,
-    tensors_in,
     verdict,
     width_for,
 )
+from benchmarks.dcp_recipe import DCP_ASYNC, DCP_KEYS, DCP_SYNC, end_checkpoint_process
+from benchmarks.host_memory import MEMORY_NOTE, TreeMemory, memory_table, persistent_helpers, report_memory
+from benchmarks.lightning_io import CountedCheckpoint, DcpProcessIO, HostCopyIO, TrainingEnd, drain, staging_wait
 from lightning_resilience import PeriodicCheckpoint, ResilientCheckpointIO
 
 BATCH = 8
@@ -95,6 +101,7 @@ NO_SAVES, TORCH_IO, ASYNC_IO, SYNC, ASYNC, FLOOR = (
     "floor: copy into preallocated buffers",
 )
 PERIODIC = "ours, async staging, PeriodicCheckpoint (no .ckpt names)"
+PERIODIC_SYNC = "ours, sync staging, PeriodicCheckpoint (no .ckpt names)"
 BUFFERED = "ours, async staging, buffered writes (direct_io=False)"
 
 
@@ -153,22 +160,6 @@ def trainer(max_steps: int, root: Path, accelerator: str = "cpu", **kwargs: Any)
     )
 
 
-class HostCopyIO(CheckpointIO):
-    """The floor as a CheckpointIO: copies every tensor of the checkpoint into preallocated buffers, keeps nothing."""
-
-    def __init__(self) -> None:
-        self.copy = HostCopy()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        self.copy.copy(tensors_in(checkpoint))
-
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
-        raise NotImplementedError("the floor keeps nothing to load")
-
-    def remove_checkpoint(self, path: Any) -> None:
-        """Nothing was written."""
-
-
 PLUGINS: dict[str, Callable[[Path], CheckpointIO | None]] = {
     NO_SAVES: lambda root: None,
     TORCH_IO: lambda root: None,
@@ -177,7 +168,10 @@ PLUGINS: dict[str, Callable[[Path], CheckpointIO | None]] = {
     ASYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
     FLOOR: lambda root: HostCopyIO(),
     PERIODIC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True),
+    PERIODIC_SYNC: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2),
     BUFFERED: lambda root: ResilientCheckpointIO(str(root / "ours"), keep_last=2, async_staging=True, direct_io=False),
+    DCP_ASYNC: lambda root: DcpProcessIO(),
+    DCP_SYNC: lambda root: DcpProcessIO(async_staging=False),
 }
 ADDED_KEYS = {
     "torch": TORCH_IO,
@@ -186,24 +180,11 @@ ADDED_KEYS = {
     "ours-async": ASYNC,
     "floor": FLOOR,
     "ours-periodic": PERIODIC,
+    "ours-periodic-sync": PERIODIC_SYNC,
     "ours-buffered": BUFFERED,
+    **DCP_KEYS,
 }
-ADDED_DEFAULT = ("torch", "async-io", "ours-sync", "ours-async", "floor")
-
-
-def staging_wait(io: CheckpointIO) -> float:
-    """Seconds our engine has made optimizer steps wait for background staging so far."""
-    return io.manager.stats.staging_wait_s if isinstance(io, ResilientCheckpointIO) else 0.0
-
-
-def drain(io: CheckpointIO) -> None:
-    """Wait until every save handed to ``io`` is complete, through the plugin's own means."""
-    if isinstance(io, ResilientCheckpointIO):
-        io.manager.wait()
-        if io._names is not None:  # and the .ckpt files made from the committed steps, as a teardown waits
-            io._names.wait()
-    elif isinstance(io, AsyncCheckpointIO):
-        io.teardown()  # waits for the queued saves; the next save starts a new thread
+ADDED_DEFAULT = ("torch", "async-io", "ours-sync", "ours-async", "dcp-process", "floor")
 
 
 class TimedSaves(pl.Callback):
@@ -218,6 +199,7 @@ class TimedSaves(pl.Callback):
         self.root, self.steps, self.drain = root, steps, drain
         self.blocks: list[dict[str, float]] = []
         self.marks: list[float] = []
+        self.memory: dict[str, float] = {}  # the fit's peak host memory (host_memory.TreeMemory)
         self._pending: tuple[str, float] | None = None  # path, staging-wait counter at the save
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -247,31 +229,50 @@ class TimedSaves(pl.Callback):
 
 
 def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], drain_each: bool) -> TimedSaves:
-    """One Trainer.fit of ``steps`` steps with ``variant``'s CheckpointIO; fresh Adam state, same model."""
+    """One Trainer.fit of ``steps`` steps with ``variant``'s CheckpointIO; fresh Adam state, same model. Its
+    checkpoints are removed afterwards (at 1.6 GB, a fit's dozen kept saves would fill a disk over the rounds)."""
     directory = Path(tempfile.mkdtemp(prefix="fit-", dir=root))
     io = PLUGINS[variant](directory)
     saves = TimedSaves(directory, set() if variant == NO_SAVES else save_at, drain_each)
-    run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=[saves])
-    run.fit(model, loader(model, steps))
-    del run
+    callbacks = [saves, *(io.callbacks() if isinstance(io, DcpProcessIO) else ())]
+    run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
+    with TreeMemory(keep=helpers(variant)) as memory:
+        run.fit(model, loader(model, steps))
+    saves.memory = memory.sample()
+    if isinstance(io, DcpProcessIO):
+        io.close()  # frees its buffers and groups (after the fit: not timed, as our engine's close)
+    del run, io
     gc.collect()
+    shutil.rmtree(directory, ignore_errors=True)
     return saves
 
 
+def helpers(variant: str) -> set[int]:
+    """The helpers outliving a fit that ``variant``'s fits count in their host memory (ours: the fork server)."""
+    ours, dcp = variant in (SYNC, ASYNC, PERIODIC, PERIODIC_SYNC, BUFFERED), variant in (DCP_ASYNC, DCP_SYNC)
+    return persistent_helpers("ours" if ours else "dcp" if dcp else "")
+
+
 def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
-    variants = [v for v in PLUGINS if v not in (NO_SAVES, PERIODIC, BUFFERED)]
-    fit(model, NO_SAVES, root, 3, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
+    variants = [ADDED_KEYS[key] for key in args.variants]
+    for variant in variants:  # warm-up, a save each: first-fit costs (helper processes' starts) are no variant's
+        fit(model, variant, root, 3, {2}, drain_each=True)
     first: dict[str, list[float]] = {v: [] for v in variants}
     later: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    memory: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     save_at = {2 * i for i in range(1, args.saves + 1)}
     for round_ in range(args.repeats):
         for variant in rotated(variants, round_):
-            blocks = fit(model, variant, root, 2 * args.saves + 1, save_at, drain_each=True).blocks
-            first[variant].append(blocks[0]["block"])
-            later[variant] += blocks[1:]
+            saves = fit(model, variant, root, 2 * args.saves + 1, save_at, drain_each=True)
+            first[variant].append(saves.blocks[0]["block"])
+            later[variant] += saves.blocks[1:]
+            memory[variant].append(saves.memory)
 
     def block(variant: str) -> Stats:
-        return Stats.of(b["block"] for b in later[variant])
+        return Stats.of(b["block"] for b in later.get(variant, ()))
+
+    def versus(a: float, b: float, form: str, of: str) -> str:  # a / b, "-" if the variant ``of`` did not run
+        return form.format(ratio(a, b)) if of in variants else "-"
 
     floor, async_io = block(FLOOR).median, block(ASYNC_IO).median
     report.table(
@@ -289,28 +290,34 @@ def blocking(args: Any, model: Net, root: Path, report: Report) -> None:
                 Stats.of(first[v]).fmt(),
                 block(v).fmt(),
                 Stats.of(b["wait"] for b in later[v]).fmt(),
-                f"{ratio(block(v).median, floor):.2f}",
-                f"{ratio(async_io, block(v).median):.1f}x",
+                versus(block(v).median, floor, "{:.2f}", FLOOR),
+                versus(async_io, block(v).median, "{:.1f}x", ASYNC_IO),
             ]
             for v in variants
         ],
     )
-    for v in (ASYNC, SYNC):
+    for v in (v for v in (ASYNC, SYNC) if ASYNC_IO in variants and v in variants):
         less = ratio(async_io, block(v).median)
         report.add(
             f"- Target: at least 20x less blocking than AsyncCheckpointIO, {v}: {less:.1f}x, {verdict(less >= 20)}."
         )
     report.add(
         "- AsyncCheckpointIO blocks for a clone of every tensor into fresh memory on the training thread; "
-        "TorchCheckpointIO for the whole torch.save (to the page cache, no fsync)."
+        "TorchCheckpointIO for the whole torch.save (to the page cache, no fsync); the DCP recipe for the wait for "
+        "the previous save's upload (none here: each is waited for) and the staging copy, or with asynchronous "
+        "staging the wait for it before the next update (a fit's first save also makes its process groups and "
+        "stager)."
     )
+    memory_table(report, memory)
+    report.add(f"- {MEMORY_NOTE}")
 
 
 def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
     save_at = set(range(args.every // 2, args.steps + 1, args.every))
-    variants = [v for v in PLUGINS if v not in (PERIODIC, BUFFERED)]
+    variants = [NO_SAVES, *(ADDED_KEYS[key] for key in args.variants)]
     runs: dict[str, list[TimedSaves]] = {v: [] for v in variants}
-    fit(model, NO_SAVES, root, args.every, set(), drain_each=False)  # warm-up: first-fit costs are not any variant's
+    for variant in variants:  # warm-up, a save each: first-fit costs (helper processes' starts) are no variant's
+        fit(model, variant, root, args.every, {args.every // 2}, drain_each=False)
     for round_ in range(args.repeats):
         for variant in rotated(variants, round_):
             runs[variant].append(fit(model, variant, root, args.steps, save_at, drain_each=False))
@@ -373,14 +380,15 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
             for v in variants
         ],
     )
-    others = {v: steady_share(v).median for v in (TORCH_IO, ASYNC_IO, FLOOR)}
-    for v in (ASYNC, SYNC):
+    others = ", ".join(
+        f"{v} {steady_share(v).median:.3f}x" for v in variants if v not in (NO_SAVES, ASYNC, SYNC, BUFFERED)
+    )
+    for v in (v for v in (ASYNC, SYNC) if v in variants):
         share, steady_median = ratio(rate(v).median, base), steady_share(v).median
         report.add(
             f"- Target (issue 16): throughput with a save every {args.every} steps at least 0.97x of no saves, {v}: "
-            f"steady {steady_median:.3f}x, {verdict(steady_median >= 0.97)}; whole fit {share:.3f}x "
-            f"(steady: TorchCheckpointIO {others[TORCH_IO]:.3f}x, AsyncCheckpointIO {others[ASYNC_IO]:.3f}x, the "
-            f"floor {others[FLOOR]:.3f}x)."
+            f"steady {steady_median:.3f}x, {verdict(steady_median >= 0.97)}; whole fit {share:.3f}x (steady: "
+            f"{others or 'no other variant ran'})."
         )
     report.add(
         "- Steps/s = steps over the time from the start of training to the end of the fit, including the wait "
@@ -388,28 +396,11 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
         "made of, every window but each fit's first (the first save allocates the reused buffers) and last (the "
         "wait for the last save), pooled over the rounds; x no saves (steady) is, per round, the no-save fit's "
         "median steady window over the variant's (median [IQR] over rounds). CPU = user + system seconds of the "
-        "training process and every process it started, our helper included (`common.cpu_seconds`), per step of "
-        "the whole fit; its ratio is no-save CPU per step over the variant's."
+        "training process and every process it started, our helper and DCP's process included "
+        "(`common.cpu_seconds`), per step of the whole fit; its ratio is no-save CPU per step over the variant's."
     )
-
-
-class TrainingEnd(pl.Callback):
-    """When training ended: after the last step and its save call, before the teardown waits for that save."""
-
-    at = 0.0
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.at = now()
-
-
-class CountedCheckpoint(ModelCheckpoint):
-    """ModelCheckpoint counting the saves it makes."""
-
-    saves = 0
-
-    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        self.saves += 1
-        super()._save_checkpoint(trainer, filepath)
+    memory_table(report, {v: [r.memory for r in runs[v]] for v in variants}, NO_SAVES)
+    report.add(f"- {MEMORY_NOTE}")
 
 
 def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> dict[str, float]:
@@ -418,31 +409,38 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
     io = PLUGINS[variant](directory)
     end = TrainingEnd()
     callbacks: list[pl.Callback] = [end]
-    if variant == PERIODIC:
+    if variant in (PERIODIC, PERIODIC_SYNC):
         callbacks.append(PeriodicCheckpoint(every_n_steps=every))
     elif variant != NO_SAVES:
         callbacks.append(CountedCheckpoint(dirpath=directory / "names", every_n_train_steps=every, save_top_k=-1))
+    if isinstance(io, DcpProcessIO):
+        callbacks += io.callbacks()  # the wait for its staging copy before the next update
     run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
     data = loader(model, steps)
     gc.collect()
-    wall, cpu = now(), cpu_seconds()
-    run.fit(model, data)
-    manager = getattr(io, "_manager", None)  # our engine, which outlives the fit (its teardown drained it)
-    if manager is not None:
-        manager.drain()
-    elif io is not None:
-        drain(io)
-    trained = end.at - wall
-    wall, cpu = now() - wall, cpu_seconds() - cpu
+    with TreeMemory(keep=helpers(variant)) as memory:
+        wall, cpu = now(), cpu_seconds()
+        run.fit(model, data)
+        manager = getattr(io, "_manager", None)  # our engine, which outlives the fit (its teardown drained it)
+        if manager is not None:
+            manager.drain()
+        elif io is not None:
+            drain(io)
+        trained = end.at - wall
+        wall, cpu = now() - wall, cpu_seconds() - cpu
     if manager is not None:
         saves = manager.stats.saves
         manager.close()  # ends its helper process and frees its shared-memory buffers (the plugin keeps them)
     else:
         saves = sum(c.saves for c in callbacks if isinstance(c, CountedCheckpoint))
+    if isinstance(io, DcpProcessIO):
+        if io.saver.saves != saves:
+            raise RuntimeError(f"{variant}: {io.saver.saves} saves made, {saves} asked for")
+        io.close()  # frees its staging buffers and groups, untimed as our engine's close
     del run, io, manager
     gc.collect()
     shutil.rmtree(directory, ignore_errors=True)
-    return {"wall": wall, "cpu": cpu, "saves": saves, "trained": trained}
+    return {"wall": wall, "cpu": cpu, "saves": saves, "trained": trained, **memory.sample()}
 
 
 def added(args: Any, model: Net, root: Path, report: Report) -> None:
@@ -458,14 +456,16 @@ def added(args: Any, model: Net, root: Path, report: Report) -> None:
         no_saves=NO_SAVES,
         floor=FLOOR,
         rival=ASYNC_IO,
-        ours=[v for v in (ASYNC, SYNC, PERIODIC, BUFFERED) if v in variants],
+        ours=[v for v in (ASYNC, SYNC, PERIODIC, PERIODIC_SYNC, BUFFERED) if v in variants],
         notes=[
             "A run is one `Trainer.fit()`; its wall time runs from the `fit()` call to the last save complete "
             "(committed, for ours, and its `.ckpt` name written). TorchCheckpointIO's and AsyncCheckpointIO's "
-            "`.ckpt` files go to the page cache without fsync; ours fsyncs its step and its name; the floor "
-            "writes nothing."
+            "`.ckpt` files go to the page cache without fsync; ours fsyncs its step and its name; the DCP recipe "
+            "writes each checkpoint as a DCP directory at the name, fsynced (its fit ends when the last upload "
+            "is done); the floor writes nothing."
         ],
     )
+    report_memory(report, fits, NO_SAVES)
 
 
 def main() -> None:
@@ -498,9 +498,12 @@ def main() -> None:
         nargs="+",
         choices=list(ADDED_KEYS),
         default=list(ADDED_DEFAULT),
-        help="added: variants besides the no-save fit (default %(default)s)",
+        help="variants besides the no-save fit (default %(default)s); blocking and throughput save through "
+        "trainer.save_checkpoint(path), which names, so ours-periodic(-sync) is for added only",
     )
     args = parse(p)
+    if args.mode != "added" and {"ours-periodic", "ours-periodic-sync"} & set(args.variants):
+        p.error("ours-periodic and ours-periodic-sync (PeriodicCheckpoint, no .ckpt names) are for --mode added only")
     args.size_gb = args.size_gb or {"blocking": 1.6, "throughput": 0.4, "added": 1.6}[args.mode]
     args.steps = args.steps or (16 if args.mode == "added" else 100)
     if args.mode == "added":
@@ -537,8 +540,11 @@ def main() -> None:
         f"LightningModule of {LAYERS} x Linear({width}, {width}) + Adam = {size / 1e9:.2f} GB, batch {args.batch}, "
         f"Trainer(accelerator='{args.accelerator}'); {what}, variants in rotating order; median [IQR] in seconds",
     )
-    with scratch(args.dir, "lightning") as root:
-        {"blocking": blocking, "throughput": throughput, "added": added}[args.mode](args, model, root, report)
+    try:
+        with scratch(args.dir, "lightning") as root:
+            {"blocking": blocking, "throughput": throughput, "added": added}[args.mode](args, model, root, report)
+    finally:
+        end_checkpoint_process()  # DCP's, kept from fit to fit as a training process keeps it
     report.print()
 
 
