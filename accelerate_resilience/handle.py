@@ -24,9 +24,11 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_resilience import compat, snapshot
 from accelerate_resilience.plugin import ResiliencePlugin
 from resilience import inplace
+from resilience.config import auto_persist
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
+from resilience.helper import stop_early_server
 from resilience.logs import print_to_stderr, rank_zero
 from resilience.manager import CheckpointManager
 from resilience.peer_loss import PeerLossConfig
@@ -101,7 +103,10 @@ class ResilienceHandle:
         config = plugin.checkpoint_config(
             local_dir=os.path.join(project.project_dir, "resilience") if project.project_dir else None,
             keep_last=max(2, limit) if limit else None,
+            auto=auto_persist(compat.models(accelerator), accelerator.num_processes),
         )
+        if config.persist == "thread":
+            stop_early_server()
         self.manager = CheckpointManager(barrier_for(config, compat.models(accelerator)))
         self.session = TrainingSession(self.manager, self._state, is_main=accelerator.is_main_process)
         self.session.add_sink(self._log)

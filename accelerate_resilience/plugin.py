@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from resilience import env_settings as env
-from resilience.config import CheckpointConfig
+from resilience.config import CheckpointConfig, Persist, persist_until_known
 from resilience.docstrings import document
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
@@ -39,6 +39,8 @@ _NOTES = {
     "async_staging": "Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's, "
     "``register_for_checkpointing`` objects) must not change before that step; turn it off for those.",
     "grace_s": "The same time bounds a survivor save after a lost peer.",
+    "persist": 'Or ``"auto"``: ``"thread"`` for one process with a model under 4 MiB, else ``"process"`` '
+    "(:func:`resilience.config.auto_persist` says why).",
     "data_window_steps": "The figures are those of :meth:`ResilienceHandle.timed`.",
     # the defaults the plugin takes from the Accelerator (the others are shown from the fields)
     "local_dir": "Default: ``<project_dir>/resilience`` when the Accelerator has a "
@@ -89,7 +91,7 @@ class ResiliencePlugin:
     health: bool | None = env.setting(False, env.boolean)
     grace_s: float | None = env.setting(25.0, env.number)
     survivor_saves: bool | None = env.setting(True, env.boolean)
-    persist: str | None = env.setting("process", env.text)
+    persist: str | None = env.setting("auto", env.text)
     mtbf_hours: float | None = env.setting(None, env.number)
     min_interval_s: float | None = env.setting(60.0, env.number)
     max_interval_s: float | None = env.setting(6 * 3600.0, env.number)
@@ -113,8 +115,12 @@ class ResiliencePlugin:
         if self.checkpoint_config(local_dir=self.local_dir or ".").persist == "process":
             start_server_early()
 
-    def checkpoint_config(self, *, local_dir: str | None = None, keep_last: int | None = None) -> CheckpointConfig:
-        """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator."""
+    def checkpoint_config(
+        self, *, local_dir: str | None = None, keep_last: int | None = None, auto: Persist = "process"
+    ) -> CheckpointConfig:
+        """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator,
+        ``auto`` what ``persist="auto"`` comes to for the prepared models (:func:`resilience.config.auto_persist`;
+        ``"process"`` until they are known)."""
         root = self.local_dir or local_dir
         if not root:
             raise ConfigError(
@@ -125,6 +131,7 @@ class ResiliencePlugin:
             return env.pick(
                 CheckpointConfig,
                 self,
+                persist=auto if self.persist == "auto" else persist_until_known(str(self.persist)),
                 local_root=root,
                 durable_url=self.durable_url or None,
                 storage_options=dict(self.storage_options or {}),

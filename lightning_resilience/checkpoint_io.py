@@ -28,13 +28,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError, crc
 from resilience import env_settings as env
-from resilience.config import OnUploadError, Persist, StagingBarrier, VerifyLevel, WhenBusy
+from resilience.config import (
+    OnUploadError,
+    PersistSetting,
+    StagingBarrier,
+    VerifyLevel,
+    WhenBusy,
+    auto_persist,
+    persist_until_known,
+)
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
-from resilience.helper import start_server_early
+from resilience.helper import start_server_early, stop_early_server
 from resilience.logs import route_through
-from resilience.names import FILE, NameWriter, publish, remove, repaired_writer, resolve
+from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.peer_loss import PeerLossConfig
 from resilience.rng import restore_rng
 from resilience.session import TrainingSession
@@ -53,7 +61,12 @@ _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
         "sync_names_below_mb": "A checkpoint with less tensor data than this gets its file before ``save_checkpoint`` "
         "returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the background."
     },
-    notes={"local_root": "One run per directory.", "survivor_saves": "Needs one of the pack's callbacks."},
+    notes={
+        "local_root": "One run per directory.",
+        "survivor_saves": "Needs one of the pack's callbacks.",
+        "persist": 'Or ``"auto"``, the default: ``"thread"`` for one process with a model under 4 MiB, else '
+        '``"process"`` (:func:`resilience.config.auto_persist` says why).',
+    },
 )
 class ResilientCheckpointIO(CheckpointIO):
     """Saves Lightning checkpoints asynchronously and in parallel from every rank, with a commit protocol.
@@ -87,11 +100,15 @@ class ResilientCheckpointIO(CheckpointIO):
         local_shared: bool | None = None,
         collective_timeout_s: float = 600.0,
         sync_names_below_mb: float = 64.0,
-        persist: Persist = "process",
+        persist: PersistSetting = "auto",
         survivor_saves: bool = True,
     ) -> None:
         root, options = LocalTier(local_root).root, dict(storage_options or {})
-        self.config = env.pick(CheckpointConfig, locals(), local_root=root, storage_options=options)
+        engine_persist = persist_until_known(persist)  # "auto" is settled when the engine starts (_engine)
+        self.config = env.pick(
+            CheckpointConfig, locals(), local_root=root, storage_options=options, persist=engine_persist
+        )
+        self.persist = persist
         self.survivor_saves = survivor_saves
         if self.config.persist == "process":
             start_server_early()
@@ -140,6 +157,11 @@ class ResilientCheckpointIO(CheckpointIO):
         if self._manager is None:
             model = trainer.lightning_module
             config = barrier_for(self.config, [model] if model is not None else [])
+            sharded = getattr(trainer.strategy, "name_layout", FILE) == SHARDED
+            if self.persist == "auto" and model is not None and not sharded:  # a sharded model may not be made yet
+                config = dataclasses.replace(config, persist=auto_persist([model], world))
+            if config.persist == "thread":
+                stop_early_server()
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
             self._names = repaired_writer(self._manager)
         return self._manager

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from resilience.errors import ConfigError
 from resilience.layout import parse_step_dirname
 from resilience.storage import DurableTier, LocalTier, Tier
 
+if TYPE_CHECKING:
+    import torch
+
 WhenBusy = Literal["wait", "skip"]
 VerifyLevel = Literal["auto", "size", "full"]
 OnUploadError = Literal["raise", "warn"]
 Persist = Literal["process", "thread"]
+PersistSetting = Literal["auto", "process", "thread"]  # the adapters': "auto" is settled once the model is known
 StagingBarrier = Literal["auto", "optimizer_step", "forward"]
 
 
@@ -159,6 +164,33 @@ class CheckpointConfig:
                 f"durable_url ({self.durable_url}): set durable_url to it and call {call}() without a folder"
             )
         return False, None
+
+
+# persist="auto": one process with a model smaller than this persists in threads (see auto_persist)
+THREADS_BELOW_MODEL_BYTES = 4 * 2**20
+
+
+def persist_until_known(persist: str) -> Persist:
+    """The engine's ``persist`` for an adapter's setting before the model is known: ``"auto"`` stands for
+    ``"process"`` until :func:`auto_persist` settles it (the helper's fork server starts early, as for
+    ``"process"``: its interpreter takes seconds to import torch)."""
+    _check_choice("persist", persist, ("auto", "process", "thread"))
+    return "process" if persist == "auto" else cast(Persist, persist)
+
+
+def auto_persist(modules: Iterable[torch.nn.Module], world_size: int) -> Persist:
+    """What ``persist="auto"`` comes to: ``"thread"`` for one process whose model (parameters and buffers) is
+    under :data:`THREADS_BELOW_MODEL_BYTES`, else ``"process"``.
+
+    A helper process keeps a save's Python work (DCP's write, checksums, the commit) off the training thread:
+    at this size a few milliseconds per save (a state of 16 MB or less with Adam's two moments). What it costs
+    every run does not shrink with the model: an interpreter importing torch (1-2 s of CPU, more on a busy
+    machine), which the first commit, and a name written before its save returns, wait for. Several processes
+    keep their helpers whatever the model: a survivor ends its helper, which may be stuck in a collective with
+    the lost rank; a thread cannot be ended.
+    """
+    model_bytes = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return "thread" if world_size == 1 and model_bytes < THREADS_BELOW_MODEL_BYTES else "process"
 
 
 def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -401,10 +401,16 @@ def committed_entry(tier: Tier, step: int | None, *, verify: bool) -> catalog.En
 
 
 def write_file_atomically(
-    obj: Any, path: str | os.PathLike[str], *, fsync: bool = True, storage_options: dict[str, Any] | None = None
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    fsync: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    ready: Callable[[], object] | None = None,
 ) -> None:
-    """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one."""
-    with atomic_output(path, fsync=fsync, storage_options=storage_options) as stream:
+    """``torch.save`` ``obj`` to ``path`` so that ``path`` is either the old file or the whole new one (``ready``:
+    see :func:`atomic_output`)."""
+    with atomic_output(path, fsync=fsync, storage_options=storage_options, ready=ready) as stream:
         torch.save(obj, stream)
 
 
@@ -454,11 +460,14 @@ def atomic_output(
     fsync: bool = True,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = True,
+    ready: Callable[[], object] | None = None,
 ) -> Iterator[IO[bytes]]:
     """A new local file (readable, seekable) that becomes ``path`` once the block ends without an error.
 
     Local paths: a temporary file beside ``path``, flushed, then renamed over it. URLs (fsspec, with
     ``storage_options``): one upload of a local temporary file, which object stores make visible all at once.
+    ``ready`` is waited for between the two: the file is written while what it must not come before finishes
+    (a name's commit), and does not become ``path`` if ``ready`` raises.
     """
     text = os.fspath(path)
     fs, target = url_to_fs(text, **(storage_options or {}))
@@ -477,6 +486,8 @@ def atomic_output(
             if fsync:
                 stream.flush()
                 os.fsync(stream.fileno())
+        if ready is not None:
+            ready()
         if local:
             os.replace(tmp, target)
         else:

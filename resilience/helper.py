@@ -161,13 +161,22 @@ class ForkServer:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
+        self.wanted = False  # by more than start_server_early(): a helper was or is being forked from it
 
     @classmethod
-    def get(cls) -> ForkServer:
+    def get(cls, *, early: bool = False) -> ForkServer:
         with cls._guard:
             if cls._instance is None or cls._instance.process.poll() is not None:
                 cls._instance = cls()
+            cls._instance.wanted |= not early
             return cls._instance
+
+    def stop(self) -> None:
+        """End the server at once, while it has forked nothing (it may still be importing torch)."""
+        self.process.kill()
+        self.process.wait()
+        os.close(self._keepalive)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
         """A connection to a newly forked helper (waits for the server to be up, the first time)."""
@@ -192,7 +201,19 @@ def start_server_early() -> None:
     """Start this process's fork server now, when the settings are made: its interpreter takes seconds to import
     torch, and the first save would wait for it, stalling training where a name is written at once (which waits
     for its commit). By the first save, seconds later (the framework's set-up, a resume), it is up."""
-    ForkServer.get()
+    ForkServer.get(early=True)
+
+
+def stop_early_server() -> None:
+    """Stop the fork server :func:`start_server_early` started if nothing has wanted a helper from it since: the
+    engine persists in threads after all (``persist="auto"`` and a small model), and the server's interpreter
+    would go on importing torch for a second or two on the cores training uses."""
+    with ForkServer._guard:
+        server = ForkServer._instance
+        if server is None or server.wanted:
+            return
+        ForkServer._instance = None
+    server.stop()
 
 
 class HelperPipeline:
@@ -685,3 +706,10 @@ if __name__ == "__main__":
     import resilience.helper
 
     resilience.helper._serve(sys.argv[1], int(sys.argv[2]))
+    # Its training process is gone. The interpreter's teardown would collect a heap with torch in it (0.4 s of
+    # CPU here) while the server still holds the training process's stdout and stderr: whoever reads them to
+    # the end (`| tee`, a CI runner, subprocess.run(capture_output=True)) would wait for it. Nothing of the
+    # server's needs that teardown; its helpers end on their own connections.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

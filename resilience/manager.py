@@ -190,7 +190,8 @@ class CheckpointManager:
             self.pipeline.kill()
 
     def rest(self, *, wait: bool = True) -> bool:
-        """Drain, then end the helper process (and the thread reading from it) until the next save starts one.
+        """Drain, then end what runs in the background until the next save starts it again: the helper process
+        (and the thread reading from it) or the writer threads, and the heartbeat of the owner record and lease.
 
         For an engine that outlives the fit it served (Lightning's CheckpointIO keeps it for saves after
         ``fit()``): a framework's teardown is expected to leave no threads behind (Lightning's own tests fail one
@@ -203,8 +204,8 @@ class CheckpointManager:
         if not wait and self.durable is not None and self.groups.control.max([int(bool(self.pending_steps()))])[0]:
             return False
         self.drain()
-        if isinstance(self.pipeline, HelperPipeline) and not self._resting:
-            self.pipeline.close()
+        if not self._resting:
+            self.pipeline.close()  # a helper is ended; threads have ended with their work, and are joined
             self._resting = True
             if self._tenancy is not None:
                 self._tenancy.pause(release=True)  # no thread of the pack runs while it rests

@@ -329,9 +329,9 @@ def publish(
     """Name step ``step`` ``path``, for a framework's save of ``checkpoint`` that ``handle`` (None: skipped) makes.
 
     ``names`` is rank 0's writer (None on the other ranks, which wait as it does). With ``now`` the name exists
-    when this returns: written from the dict in hand, by ``write`` (default :func:`write_file_atomically`), once
-    the step is committed; otherwise (and always for :data:`SHARDED`) it is made from the committed step in the
-    background, which ``now`` then waits for.
+    when this returns: written from the dict in hand, by ``write`` once the step is committed, or by default
+    (:func:`write_file_atomically`) while it commits, and renamed into place once it has; otherwise (and always
+    for :data:`SHARDED`) it is made from the committed step in the background, which ``now`` then waits for.
     """
     keys = list(checkpoint)
     if layout == SHARDED or not now:
@@ -341,15 +341,19 @@ def publish(
         if now:
             (written or handle.committed).result()
         return
-    if handle is not None:
-        handle.committed.result()
-    if names is not None:
-        named = {**checkpoint, **names.metadata(step, run_id)}
-        if write is None:
-            write_file_atomically(named, path, storage_options=storage_options)
-        else:
-            write(named)
-        names.written(path, step, keys, run_id)
+    committed = handle.committed.result if handle is not None else None
+    if names is None:
+        if committed is not None:
+            committed()
+        return
+    named = {**checkpoint, **names.metadata(step, run_id)}
+    if write is None:  # written while the step commits; it becomes the name after, or not if the commit fails
+        write_file_atomically(named, path, storage_options=storage_options, ready=committed)
+    else:
+        if committed is not None:
+            committed()
+        write(named)
+    names.written(path, step, keys, run_id)
 
 
 def _absolute(path: str | os.PathLike[str]) -> str:

@@ -187,6 +187,15 @@ def test_resume_into_a_different_job_says_what_differs(tmp_path: Path) -> None:
         resilience.resume()
 
 
+def test_a_small_model_in_one_process_persists_in_threads_by_default(tmp_path: Path) -> None:
+    """Its helper process would cost every run an interpreter importing torch, which the first commit waits for."""
+    job = new_job()
+    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+        assert resilience.manager.config.persist == "thread"
+        train(job, resilience, resilience.resume(), stop_at=2)
+    assert committed_steps(tmp_path) == [2]
+
+
 def test_load_state_right_after_save_state_restores_what_was_saved(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,7 +205,7 @@ def test_load_state_right_after_save_state_restores_what_was_saved(
     monkeypatch.setenv("TEST_HELPER_FAULT", "slow_write")
     monkeypatch.setenv("TEST_SLOW_WRITE_S", "1.5")
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="process")) as resilience:
         train(job, resilience, resilience.resume(), stop_at=2)  # ends with accelerator.save_state()
         saved = final_state(job)
         assert committed_steps(tmp_path) == [], "the save must still be in flight for this test to mean anything"

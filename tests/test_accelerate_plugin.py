@@ -58,6 +58,15 @@ def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyP
     assert plugin.storage_options == {} and plugin.storage_options is not ResiliencePlugin().storage_options
 
 
+def test_persist_auto_is_what_the_job_comes_to_and_a_choice_stands(clean_env: pytest.MonkeyPatch) -> None:
+    plugin = ResiliencePlugin(local_dir="ckpt")
+    assert plugin.persist == "auto"
+    assert plugin.checkpoint_config(auto="thread").persist == "thread"
+    assert plugin.checkpoint_config().persist == "process"  # until the models are known
+    clean_env.setenv("ACCELERATE_RESILIENCE_PERSIST", "process")
+    assert ResiliencePlugin(local_dir="ckpt").checkpoint_config(auto="thread").persist == "process"
+
+
 def test_goodput_and_auto_interval_fields_from_environment(clean_env: pytest.MonkeyPatch) -> None:
     plugin = ResiliencePlugin(local_dir="ckpt")
     assert (plugin.goodput, plugin.run_dir, plugin.goodput_span_s) == (True, None, 10.0)
@@ -98,6 +107,11 @@ def test_goodput_and_auto_interval_fields_from_environment(clean_env: pytest.Mon
             "WHEN_BUSY",
             "later",
             "when_busy='later' is not one of 'wait', 'skip' (set by ACCELERATE_RESILIENCE_WHEN_BUSY)",
+        ),
+        (
+            "PERSIST",
+            "helper",
+            "persist='helper' is not one of 'auto', 'process', 'thread' (set by ACCELERATE_RESILIENCE_PERSIST)",
         ),
         ("EVERY_N_STEPS", "0", "every_n_steps=0: use a positive number of optimizer steps, 'auto' or None (set by"),
         ("EVERY_N_STEPS", "often", "ACCELERATE_RESILIENCE_EVERY_N_STEPS='often' is not a whole number"),

@@ -422,6 +422,21 @@ def test_a_helper_killed_mid_save_commits_nothing_and_the_next_save_restarts_it(
     assert restored is not None and restored.step == 2
 
 
+def test_a_resting_engine_persisting_in_threads_leaves_no_thread_and_the_next_save_commits(tmp_path: Path) -> None:
+    """The same for ``persist="thread"``: the heartbeat of the owner record stops too (it outlived a fit)."""
+    before = set(threading.enumerate())
+    with manager(tmp_path / "ckpt", persist="thread") as m:
+        assert m.save(1, make_state(1)) is not None
+        m.rest()
+        assert [t.name for t in set(threading.enumerate()) - before] == []
+        handle = m.save(2, make_state(2))
+        assert handle is not None and handle.committed.result(60).step == 2
+        assert "resilience-heartbeat" in [t.name for t in threading.enumerate()]  # the root is held again
+    with manager(tmp_path / "ckpt") as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 2
+
+
 def test_a_resting_engine_holds_no_helper_or_thread_and_the_next_save_starts_one(tmp_path: Path) -> None:
     """What a Lightning teardown leaves: the engine drained, its helper process ended and no thread of the pack
     running; a save after it (``trainer.save_checkpoint`` after ``fit()``) gets a new helper and commits."""

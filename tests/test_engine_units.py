@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError, shm, staging
+from resilience.config import auto_persist, persist_until_known
 from resilience.manifest import FileEntry, Manifest, check_relative_path, hash_bytes, hash_stream
 from resilience.retention import steps_to_delete
 from resilience.storage import DurableTier, LocalTier, redact
@@ -174,6 +175,17 @@ def test_config_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untype
         CheckpointConfig(tmp_path, when_busy="queue")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="upload_concurrency"):
         CheckpointConfig(tmp_path, upload_concurrency=0)
+
+
+def test_persist_auto_takes_threads_for_one_process_with_a_small_model_else_a_helper() -> None:
+    small, large = torch.nn.Linear(64, 64), torch.nn.Linear(1024, 1024)  # 16 KiB; 4 MiB and its bias
+    assert auto_persist([small], world_size=1) == "thread"
+    assert auto_persist([small, large], world_size=1) == "process"
+    assert auto_persist([small], world_size=2) == "process"  # a survivor must be able to end its helper
+    assert auto_persist([], world_size=1) == "thread"
+    assert [persist_until_known(p) for p in ("auto", "process", "thread")] == ["process", "process", "thread"]
+    with pytest.raises(ConfigError, match="persist='helper' is not one of 'auto', 'process', 'thread'"):
+        persist_until_known("helper")
 
 
 def test_tier_errors_name_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -37,7 +37,7 @@ def mixed_state(seed: int = 0) -> dict[str, Any]:
     base = torch.randn(10, 10, generator=gen)
     return {
         "model": {f"layer{i}.w": torch.randn(i % 7 + 1, 3, generator=gen) for i in range(120)},
-        "big": torch.randn(300_000, generator=gen),  # 1.2 MB: above pack_tensor_bytes, a DCP entry of its own
+        "big": torch.randn(300_000, generator=gen),  # 1.2 MB
         "flags": torch.tensor([True, False, True]),
         "bf16": torch.randn(5, generator=gen).to(torch.bfloat16),
         "c64": torch.randn(3, dtype=torch.complex64, generator=gen),

@@ -54,6 +54,38 @@ def test_a_helper_that_dies_mid_call_is_an_error() -> None:
         call_in_helper(_die)
 
 
+def test_the_fork_server_ends_with_its_training_process_and_removes_its_folder() -> None:
+    # The server skips the interpreter's teardown at its end (os._exit): what it has to do, it does before.
+    script = (
+        "import os\n"
+        "from resilience.helper import ForkServer, call_in_helper\n"
+        "call_in_helper(os.getpid)\n"  # the server is up, and has forked a helper
+        "print(ForkServer.get().process.pid, ForkServer.get().folder)\n"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+    pid, folder = done.stdout.split()  # read to its end: the server, which shares that stdout, has let go of it
+    _wait_until_gone(int(pid))
+    assert not os.path.exists(folder)
+
+
+def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> None:
+    # In a process of its own: this one's server may be another test's.
+    script = (
+        "import os\n"
+        "from resilience.helper import ForkServer, call_in_helper, start_server_early, stop_early_server\n"
+        "start_server_early()\n"
+        "early = ForkServer.get(early=True)\n"
+        "stop_early_server()\n"  # the engine persists in threads: nothing was forked from it
+        "assert early.process.poll() is not None and not os.path.exists(early.folder)\n"
+        "assert call_in_helper(os.getpid) != os.getpid()\n"  # a new server, wanted
+        "used = ForkServer.get(early=True)\n"
+        "stop_early_server()\n"
+        "assert used is not early and used.process.poll() is None\n"
+    )
+    subprocess.run([sys.executable, "-c", script], env=base_env(), cwd=ROOT, timeout=120, check=True)
+
+
 def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # This process's file writer is broken: only a helper (forked from a clean server) can write the name.
     def broken(*args: object, **kwargs: object) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, GoodputMonitor, ResilientCheckpointIO
 from resilience import crc
+from resilience.config import PersistSetting
 from resilience.direct_io import Window
 from resilience.errors import ConfigError
 from resilience.names import METADATA_KEY
@@ -34,12 +35,16 @@ def trainer_for(
     io: ResilientCheckpointIO | None = None,
     sync_below_mb: float = 0.0,
 ) -> pl.Trainer:
-    """``sync_below_mb=0``: every name is written in the background, as a large state's would be."""
+    """``sync_below_mb=0``: every name is written in the background, as a large state's would be, by a helper
+    process as a large state's is."""
     pl.seed_everything(7)
+    io = io or ResilientCheckpointIO(
+        str(root / "ckpt"), keep_last=2, sync_names_below_mb=sync_below_mb, persist="process"
+    )
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
-        plugins=[io or ResilientCheckpointIO(str(root / "ckpt"), keep_last=2, sync_names_below_mb=sync_below_mb)],
+        plugins=[io],
         callbacks=list(callbacks),
         max_steps=max_steps,
         logger=False,
@@ -133,13 +138,16 @@ def test_a_second_name_for_the_same_step_saves_nothing_twice(tmp_path: Path) -> 
     assert_lightning_file(tmp_path / "manual.ckpt", 8)
 
 
-def test_a_fit_leaves_no_thread_and_the_plugin_saves_again_in_the_next_fit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("persist", ["process", "thread"])
+def test_a_fit_leaves_no_thread_and_the_plugin_saves_again_in_the_next_fit(
+    tmp_path: Path, persist: PersistSetting
+) -> None:
     """Lightning's own test suite fails a test that leaves threads behind (its conftest checks), as a user's
     harness may: the engine rests after each fit (helper process and threads ended) and wakes at the next save."""
     import threading
 
     before = set(threading.enumerate())
-    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), keep_last=3, sync_names_below_mb=0.0)
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), keep_last=3, sync_names_below_mb=0.0, persist=persist)
 
     def names() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=4)
@@ -151,6 +159,20 @@ def test_a_fit_leaves_no_thread_and_the_plugin_saves_again_in_the_next_fit(tmp_p
     assert committed(tmp_path) == {4, 8}
     assert_lightning_file(tmp_path / "names" / "epoch=0-step=8.ckpt", 8)
     assert [t.name for t in set(threading.enumerate()) - before] == []
+
+
+@pytest.mark.parametrize(("persist", "engine"), [("auto", "thread"), ("process", "process")])
+def test_a_small_model_in_one_process_persists_in_threads_unless_told_otherwise(
+    tmp_path: Path, persist: PersistSetting, engine: str
+) -> None:
+    """A helper process costs every run an interpreter importing torch, which the first commit waits for; a small
+    model's saves have little work for it to take off the training thread."""
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), persist=persist)
+    trainer_for(tmp_path, ModelCheckpoint(dirpath=tmp_path / "names", every_n_train_steps=2), max_steps=2, io=io).fit(
+        DemoModel(), DemoData()
+    )
+    assert io._manager is not None and io._manager.config.persist == engine
+    assert_lightning_file(tmp_path / "names" / "epoch=0-step=2.ckpt", 2)
 
 
 def test_a_weights_only_name_never_stands_in_for_a_full_one(tmp_path: Path) -> None:

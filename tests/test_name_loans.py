@@ -4,6 +4,7 @@ buffers lent for it stay as they were until it is written, so the next save wait
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,9 @@ import torch
 
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.errors import CheckpointError
-from resilience.names import NameWriter
-from resilience.save_handle import SaveHandle
+from resilience.names import NameWriter, publish
+from resilience.save_handle import Commit, SaveHandle
+from resilience.storage import LocalTier
 
 
 def _zero_in_shards(step_dir: Path, tensor: torch.Tensor) -> None:
@@ -90,3 +92,37 @@ def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(tmp_p
             assert second[0] is not None and manager.stats.waited_for_previous == 1
             assert second[0].committed.result().step == 5
     assert torch.equal(torch.load(name, weights_only=True)["state_dict"]["w"], first["w"])
+
+
+@pytest.mark.parametrize("commits", [True, False], ids=["committed", "failed"])
+def test_a_name_written_at_once_is_written_while_its_step_commits_and_is_the_name_only_after(
+    tmp_path: Path, commits: bool
+) -> None:
+    """A small checkpoint's name, there when ``save_checkpoint`` returns: its file is written while the step
+    commits, and becomes the name once the step is committed; a step that fails to commit leaves no name."""
+    names = NameWriter(LocalTier(str(tmp_path / "ckpt")))
+    checkpoint = {"state_dict": {"w": torch.randn(8, 8)}, "global_step": 1}
+    path, handle, raised = tmp_path / "names" / "a.ckpt", SaveHandle(1), []
+
+    def name() -> None:
+        try:
+            publish(names, str(path), 1, checkpoint, handle, run_id=None, now=True)
+        except CheckpointError as exc:
+            raised.append(exc)
+
+    call = threading.Thread(target=name)
+    call.start()
+    deadline = time.monotonic() + 30
+    while not list(path.parent.glob(".a.ckpt.tmp-*")):  # written while the step is not committed yet
+        assert time.monotonic() < deadline, "nothing was written before the commit"
+        time.sleep(0.01)
+    assert not path.exists()
+    if commits:
+        handle.committed.set_result(Commit(1, "local", str(tmp_path / "ckpt" / "step-1"), 0))
+    else:
+        handle.fail(CheckpointError("not saved", step=1))
+    call.join(30)
+    assert list(path.parent.iterdir()) == ([path] if commits else [])  # no temporary file left either way
+    assert bool(raised) is not commits
+    if commits:
+        assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], checkpoint["state_dict"]["w"])

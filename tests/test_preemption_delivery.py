@@ -196,6 +196,7 @@ def test_an_accelerate_script_run_bare_commits_the_agreed_step_when_its_group_is
         ACCELERATE_RESILIENCE_LOCAL_DIR=str(root),
         ACCELERATE_RESILIENCE_HEALTH="1",
         ACCELERATE_RESILIENCE_EVERY_N_STEPS="3",
+        ACCELERATE_RESILIENCE_PERSIST="process",  # its small model would persist in threads
         TRAIN_STEP_SLEEP="0.3",
     )
     proc = start_job([sys.executable, str(ACCELERATE), str(out)], out / "run.log", env)

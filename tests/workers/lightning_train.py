@@ -158,6 +158,7 @@ def main() -> None:
         durable_url=args.durable,
         storage_options=json.loads(os.environ.get("TEST_STORAGE_OPTIONS", "{}")),
         async_staging=args.async_staging,
+        persist="process" if os.environ.get("TEST_SLOW_WRITE_S") else "auto",  # the slow write is the helper's
     )
     names = os.path.join(args.root, "names")
     callbacks: list[pl.Callback] = [
