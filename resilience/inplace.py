@@ -219,21 +219,25 @@ class Target:
             sys.excepthook(*sys.exc_info())
             return EXIT_CONFIG_ERROR
         except BaseException as exc:
-            if requested() is None:
-                sys.excepthook(*sys.exc_info())
-            else:
-                _expected_end(exc)
+            _report_end(exc)
             return 1
         return 0
 
 
-def _expected_end(exc: BaseException) -> None:
-    """The script ended with the error a lost peer leaves (its collective failed) after the survivors saved and
-    asked for a restart in place: a handled event, so one line, and the traceback only at DEBUG. The hooks still
-    see the error (Accelerate's handle closes on it); what they print goes to the DEBUG line too."""
+def _report_end(exc: BaseException) -> None:
+    """Report the error that ended the script, through ``sys.excepthook`` as the interpreter would.
+
+    When it is the error a lost peer leaves (a collective failed) and the survivors saved and asked for a restart
+    in place, the event was handled: one line, and the traceback only at DEBUG. The hooks decide that: under
+    Accelerate the survivors' save runs inside the handle's excepthook, so the hook's output is held until it has
+    returned, then printed as it was or turned into that line."""
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
         sys.excepthook(type(exc), exc, exc.__traceback__)
+    if requested() is None:
+        sys.stderr.write(printed.getvalue())
+        sys.stderr.flush()
+        return
     first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
     log.warning(
         "rank %s: training ended as its peer was lost (%s: %s)", os.environ.get("RANK", "?"), type(exc).__name__, first
