@@ -5,8 +5,9 @@ holds one such record per tensor, so a state of 10,000 small tensors spent half 
 (:func:`resilience.direct_io._no_zip_crcs`), the record's bytes are the tensor storage's bytes between a head and
 a tail that depend only on the tensor's type, dtype, shape and stride. The pair is taken from torch itself, once
 per such kind of tensor: two probes whose storages hold all-zero and all-one bytes are saved, and the pair is
-used only when the two records differ in exactly the storage's bytes, in one run. Anything else (CRC-32s on, an
-empty or unusual tensor, a torch whose records vary otherwise) is saved by ``torch.save``.
+used only when the two records differ in exactly the storage's bytes, in one run. Anything else (CRC-32s on, a
+tensor over :data:`SMALL_BYTES`, an empty or unusual tensor, a torch whose records vary otherwise) is saved by
+``torch.save``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from typing import IO, cast
 
 import numpy as np
 import torch
+
+SMALL_BYTES = 1 << 20
+"""Larger tensors go through ``torch.save``: their record's cost is their bytes, and a probe would allocate and
+save two tensors of their size."""
 
 _Kind = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], str]
 _pairs: dict[_Kind, tuple[bytes, bytes] | None] = {}
@@ -58,7 +63,7 @@ def _plain(tensor: torch.Tensor) -> bool:
         and not tensor.is_conj()
         and not tensor.is_neg()
         and tensor.storage_offset() == 0
-        and tensor.untyped_storage().nbytes() == tensor.nbytes > 0
+        and 0 < tensor.untyped_storage().nbytes() == tensor.nbytes <= SMALL_BYTES
         and not tensor.__dict__
     )
 

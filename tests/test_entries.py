@@ -186,6 +186,9 @@ def test_a_record_is_the_bytes_torch_save_writes(crcs: bool) -> None:
                 theirs, ours = io.BytesIO(), io.BytesIO()
                 torch.save(values, theirs)
                 tensor_records.write(ours, values)
+                reused = tensor_records._pair(values) is not None
+            # the head and tail are reused for every small tensor with bytes, and only without CRC-32s
+            assert reused == (not crcs and 0 < values.nbytes <= tensor_records.SMALL_BYTES), values.shape
             assert ours.getvalue() == theirs.getvalue(), (values.dtype, values.shape, values.stride())
             assert_same(values, torch.load(io.BytesIO(ours.getvalue()), weights_only=True))
 
