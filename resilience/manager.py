@@ -790,7 +790,10 @@ class CheckpointManager:
         counter = ReadCounter()
         size = f"{entry.manifest.total_bytes / 2**30:.2f} GiB" if entry.manifest is not None else "size unknown"
         what = f"reading step {entry.step} from the {entry.tier.name} tier ({size})"
-        done = (lambda: f"{counter.bytes / 2**30:.2f} GiB read here") if self.rank == 0 else None
+
+        def done() -> str:
+            return f"{counter.bytes / 2**30:.2f} GiB read on this rank"
+
         with still_going(what, enabled=self.rank == 0, detail=done):
             self.groups.control.agree(read)
         restored: Restored = box["restored"]
