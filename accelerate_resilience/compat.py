@@ -17,9 +17,10 @@ from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderShard
 from accelerate.state import AcceleratorState, GradientState
 
-from resilience import inplace
+from resilience.recovery import (
+    inplace,  # ---- what the accelerator prepared (Accelerator._models, ._optimizers, ._schedulers, ._dataloaders,
+)
 
-# ---- what the accelerator prepared (Accelerator._models, ._optimizers, ._schedulers, ._dataloaders,
 # ._custom_objects: lists filled by prepare() and register_for_checkpointing()) --------------------------------
 
 
@@ -56,7 +57,7 @@ def has_save_state_hooks(accelerator: Accelerator) -> bool:
 def forget_state() -> None:
     """Accelerate's process-wide singletons (``AcceleratorState``, ``PartialState``, ``GradientState``: shared
     ``_shared_state`` dicts, cleared by their private ``_reset_state``) describe a process group: a script run
-    again in place (:mod:`resilience.inplace`) must make them anew over the next generation's group."""
+    again in place (:mod:`resilience.recovery.inplace`) must make them anew over the next generation's group."""
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
@@ -64,7 +65,8 @@ def forget_state() -> None:
 inplace.before_next_generation(forget_state)
 
 
-# ---- the prepared training loader (DataLoaderShard): as a module, the engine's resilience.position.LoaderAccess
+# ---- the prepared training loader (DataLoaderShard): as a module, the engine's
+# resilience.checkpoint.position.LoaderAccess
 
 
 def reports_batches(loader: Any) -> bool:
@@ -76,7 +78,7 @@ def hook(
     loader: Any, on_begin: Callable[[], None], on_batch: Callable[[], None], on_end: Callable[[], None] | None = None
 ) -> Callable[[], None]:
     """Call ``on_begin`` when a pass over ``loader`` starts, ``on_batch`` before each batch is handed out and
-    ``on_end`` once the pass ends (:class:`resilience.position.LoaderAccess`).
+    ``on_end`` once the pass ends (:class:`resilience.checkpoint.position.LoaderAccess`).
 
     ``DataLoaderShard.begin()`` opens a pass, ``_update_state_dict()`` runs once per batch just before the yield
     (it snapshots a StatefulDataLoader's cursor there) and ``end()`` closes the pass. Returns the undo.

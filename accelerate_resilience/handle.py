@@ -23,20 +23,20 @@ from torch.utils.hooks import RemovableHandle
 
 from accelerate_resilience import compat, snapshot
 from accelerate_resilience.plugin import ResiliencePlugin
-from resilience import inplace
+from resilience.checkpoint.manager import CheckpointManager
+from resilience.checkpoint.position import DataTracker, Position
+from resilience.checkpoint.rng import capture_rng
+from resilience.checkpoint.save_handle import SaveHandle
+from resilience.checkpoint.staging import barrier_for
 from resilience.config import auto_persist
 from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
-from resilience.helper import stop_early_server
 from resilience.logs import print_to_stderr, rank_zero
-from resilience.manager import CheckpointManager
-from resilience.peer_loss import PeerLossConfig
-from resilience.position import DataTracker, Position
-from resilience.rng import capture_rng
-from resilience.save_handle import SaveHandle
+from resilience.persist.helper import stop_early_server
+from resilience.recovery import inplace
+from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import SaveState, TrainingSession
-from resilience.staging import barrier_for
 
 T = TypeVar("T")
 

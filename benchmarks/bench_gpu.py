@@ -49,9 +49,9 @@ from benchmarks.common import (
     width_for,
 )
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.staging import HostStager
 from resilience.health import FaultEvent, HealthConfig, HealthGuard
 from resilience.health.nvml import default_devices, load_nvml
-from resilience.staging import HostStager
 
 NO_SAVE = "no save (step time reference)"
 RECOVERY_ACTION_FIELD = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, for nvidia-ml-py versions that lack the name

@@ -55,7 +55,7 @@ def prepare(root: Path, size_gb: float) -> None:
 
     from benchmarks.bench_lightning import Net, loader, trainer
     from lightning_resilience import ResilientCheckpointIO
-    from resilience.tree import tensor_bytes
+    from resilience.checkpoint.tree import tensor_bytes
 
     model = Net(width_for(size_gb))
     io = ResilientCheckpointIO(str(root / "ours"))

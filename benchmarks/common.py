@@ -54,7 +54,7 @@ def build(layers: int, width: int, device: str = "cpu") -> tuple[torch.nn.Module
     """A model and Adam with its moments materialized; returns them and the state's size in bytes."""
     import torch
 
-    from resilience.tree import tensor_bytes
+    from resilience.checkpoint.tree import tensor_bytes
 
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)

@@ -16,9 +16,10 @@ from typing_extensions import override
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO, calling_trainer, live_checkpoint_ios
 from lightning_resilience.session_callback import SessionCallback
-from resilience import catalog, continuity
+from resilience.checkpoint import continuity
 from resilience.errors import ConfigError, ResilienceError
-from resilience.names import write_resume_marker
+from resilience.formats.names import write_resume_marker
+from resilience.storage import catalog
 
 # With this callback, fit(ckpt_path=None) resolving to the newest checkpoint is the point, and a first launch
 # with nothing saved yet is normal; Lightning's warnings about both would only mislead.
@@ -124,7 +125,8 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
 
 
 def continue_loggers(trainer: pl.Trainer, versions: list[Any], step: int) -> None:
-    """Give each logger that has not chosen a version the one it had in the saved run (:mod:`resilience.continuity`).
+    """Give each logger that has not chosen a version the one it had in the saved run
+    (:mod:`resilience.checkpoint.continuity`).
 
     ``CSVLogger`` deletes an existing ``metrics.csv`` when it opens a version: the saved run's rows that the
     resumed run keeps are set aside first, then written back through its writer. A tracking service's logger

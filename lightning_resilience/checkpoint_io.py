@@ -26,8 +26,11 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
-from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError, crc
+from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience import env_settings as env
+from resilience.checkpoint.rng import restore_rng
+from resilience.checkpoint.staging import barrier_for
+from resilience.checkpoint.tree import tensor_bytes
 from resilience.config import (
     OnUploadError,
     PersistSetting,
@@ -39,16 +42,14 @@ from resilience.config import (
 )
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import document
+from resilience.formats import crc
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
-from resilience.helper import start_server_early, stop_early_server
+from resilience.formats.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.logs import route_through
-from resilience.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
-from resilience.peer_loss import PeerLossConfig
-from resilience.rng import restore_rng
+from resilience.persist.helper import start_server_early, stop_early_server
+from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import TrainingSession
-from resilience.staging import barrier_for
-from resilience.storage import LocalTier
-from resilience.tree import tensor_bytes
+from resilience.storage.tiers import LocalTier
 
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 

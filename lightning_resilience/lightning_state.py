@@ -17,10 +17,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from resilience import continuity
+from resilience.checkpoint import continuity
+from resilience.checkpoint.rng import capture_rng
 from resilience.formats.lightning_ckpt import LOADER_PATH, split_loaders
-from resilience.peer_loss import BoundarySnapshot
-from resilience.rng import capture_rng
+from resilience.recovery.peer_loss import BoundarySnapshot
 from resilience.session import SaveState
 
 REPLICATED = ("state_dict", "optimizer_states")  # the checkpoint dict's keys every DDP rank holds alike

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
 from lightning_resilience.strategy import EveryRankSaves
-from resilience.names import SHARDED
+from resilience.formats.names import SHARDED
 
 
 class ResilientModelParallelStrategy(EveryRankSaves, ModelParallelStrategy):

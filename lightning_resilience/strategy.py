@@ -16,7 +16,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
-from resilience.names import FILE
+from resilience.formats.names import FILE
 
 
 class EveryRankSaves:

@@ -19,15 +19,18 @@ _EXPORTS = {
     "CorruptCheckpointError": "resilience.errors",
     "NoCheckpointError": "resilience.errors",
     "ResilienceError": "resilience.errors",
-    "Restored": "resilience.loader",
-    "CheckpointManager": "resilience.manager",
-    "SaveStats": "resilience.manager",
-    "SaveHandle": "resilience.pipeline",
+    "Restored": "resilience.checkpoint.loader",
+    "CheckpointManager": "resilience.checkpoint.manager",
+    "SaveStats": "resilience.checkpoint.manager",
+    "SaveHandle": "resilience.persist.pipeline",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from resilience.checkpoint.loader import Restored as Restored
+    from resilience.checkpoint.manager import CheckpointManager as CheckpointManager
+    from resilience.checkpoint.manager import SaveStats as SaveStats
     from resilience.config import CheckpointConfig as CheckpointConfig
     from resilience.errors import CheckpointError as CheckpointError
     from resilience.errors import CheckpointExistsError as CheckpointExistsError
@@ -35,10 +38,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from resilience.errors import CorruptCheckpointError as CorruptCheckpointError
     from resilience.errors import NoCheckpointError as NoCheckpointError
     from resilience.errors import ResilienceError as ResilienceError
-    from resilience.loader import Restored as Restored
-    from resilience.manager import CheckpointManager as CheckpointManager
-    from resilience.manager import SaveStats as SaveStats
-    from resilience.pipeline import SaveHandle as SaveHandle
+    from resilience.persist.pipeline import SaveHandle as SaveHandle
 
 
 def __getattr__(name: str) -> Any:

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from resilience import __version__, catalog
+from resilience import __version__
 from resilience.errors import CorruptCheckpointError, NoCheckpointError, ResilienceError
-from resilience.layout import MANIFEST
-from resilience.storage import DurableTier, Tier
+from resilience.storage import catalog
+from resilience.storage.layout import MANIFEST
+from resilience.storage.tiers import DurableTier, Tier
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_CODES = (
@@ -151,7 +152,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     """Upload committed local checkpoints the durable tier lacks (e.g. when a crash cut an upload short)."""
-    from resilience.transfer import RetryPolicy, commit_durable, upload_files
+    from resilience.persist.transfer import RetryPolicy, commit_durable, upload_files
 
     local, only = catalog.open_root(args.root)
     if args.step is None:
@@ -194,7 +195,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write one committed step as a Lightning .ckpt, a torch.save state dict or safetensors, verified first."""
-    from resilience.export import DTYPES, export  # keeps torch out of `ls` and `verify`
+    from resilience.formats.export import DTYPES, export  # keeps torch out of `ls` and `verify`
 
     options = _storage_options(args.storage_option)
     on_bytes = _Counter(0, _progress_printer(f"tensors read for {args.out}") if args.progress else None)
@@ -365,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         help="run a training script's ranks on this node, replacing a lost rank in place (exits with the job's code)",
     )
-    from resilience.launcher import add_arguments
+    from resilience.recovery.launcher import add_arguments
 
     add_arguments(launch)
     launch.set_defaults(func=cmd_launch)
@@ -374,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from resilience.launcher import launch
+    from resilience.recovery.launcher import launch
 
     return launch(args)
 

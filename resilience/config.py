@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from resilience.errors import ConfigError
-from resilience.layout import parse_step_dirname
-from resilience.storage import DurableTier, LocalTier, Tier
+from resilience.storage.layout import parse_step_dirname
+from resilience.storage.tiers import DurableTier, LocalTier, Tier
 
 if TYPE_CHECKING:
     import torch

@@ -34,7 +34,11 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn, TypeVar
 
-from resilience import inplace, rng
+from resilience.checkpoint import rng
+from resilience.checkpoint.loader import Restored
+from resilience.checkpoint.manager import CheckpointManager
+from resilience.checkpoint.rng import restore_rng
+from resilience.checkpoint.save_handle import SaveHandle
 from resilience.config import WhenBusy
 from resilience.errors import ConfigError
 from resilience.goodput import (
@@ -59,13 +63,10 @@ from resilience.health import (
 )
 from resilience.health.faults import GPU_FAULTS
 from resilience.health.injection import ENV_VAR as INJECT_ENV_VAR
-from resilience.liveness import Notice
-from resilience.loader import Restored
-from resilience.manager import CheckpointManager
-from resilience.peer_loss import BoundaryBuilder, BoundarySnapshot, PeerLossConfig, PeerLossWatch
-from resilience.rng import restore_rng
-from resilience.save_handle import SaveHandle
-from resilience.survivors import SurvivorOutcome
+from resilience.recovery import inplace
+from resilience.recovery.liveness import Notice
+from resilience.recovery.peer_loss import BoundaryBuilder, BoundarySnapshot, PeerLossConfig, PeerLossWatch
+from resilience.recovery.survivors import SurvivorOutcome
 
 log = logging.getLogger(__name__)
 MetricsSink = Callable[[dict[str, float]], None]

@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from resilience.storage import Tier
+    from resilience.storage.tiers import Tier
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -215,7 +215,7 @@ def edit_manifest(step_dir: Path, edit: Callable[[dict[str, Any]], None]) -> Non
 
 def reseal(step_dir: Path, name: str) -> None:
     """Make the manifest's size and checksum of ``name`` match its bytes now: a tamperer covering their tracks."""
-    from resilience.manifest import hash_bytes
+    from resilience.storage.manifest import hash_bytes
 
     data = (step_dir / name).read_bytes()
 
@@ -229,7 +229,7 @@ def reseal(step_dir: Path, name: str) -> None:
 def record_tier_opens(reads: list[tuple[str, str]], patch: Callable[[Any, str, Any], None] = setattr) -> None:
     """Make every tier's ``open`` note each shard file it opens, with its tier, in ``reads`` (a local copy is
     checked, then read). ``patch``: ``monkeypatch.setattr`` in a test, plain ``setattr`` in a worker."""
-    from resilience.storage import LocalTier, Tier
+    from resilience.storage.tiers import LocalTier, Tier
 
     for cls in (Tier, LocalTier):  # the local tier has an open of its own (it reads past the page cache)
         original = cls.__dict__["open"]

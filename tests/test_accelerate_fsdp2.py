@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from resilience import catalog
-from resilience.loader import load_dcp_metadata
-from resilience.storage import LocalTier
+from resilience.checkpoint.loader import load_dcp_metadata
+from resilience.storage import catalog
+from resilience.storage.tiers import LocalTier
 from tests.helpers import free_port
 from tests.test_accelerate_launch import (
     LAUNCH_TIMEOUT_S,

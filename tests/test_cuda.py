@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.rng import capture_rng, restore_rng
-from resilience.staging import PINNED, HostStager
+from resilience.checkpoint.rng import capture_rng, restore_rng
+from resilience.checkpoint.staging import PINNED, HostStager
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device: run on a GPU machine (benchmarks/gpu_check.sh does)"

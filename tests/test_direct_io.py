@@ -20,12 +20,14 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.serialization import config as serialization_config
 
-from resilience import CheckpointConfig, CheckpointManager, direct_io, proofs
-from resilience.direct_io import ALIGN, CHUNK, HashedFileStream, Written
-from resilience.export import write_name
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.step_reader import ShardItem
 from resilience.formats import raw_bytes, torch_file
-from resilience.manifest import Manifest, hash_bytes, hash_stream
-from resilience.step_reader import ShardItem
+from resilience.formats.export import write_name
+from resilience.persist import direct_io
+from resilience.persist.direct_io import ALIGN, CHUNK, HashedFileStream, Written
+from resilience.storage import proofs
+from resilience.storage.manifest import Manifest, hash_bytes, hash_stream
 
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 12345]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from resilience.manifest import Manifest
+from resilience.storage.manifest import Manifest
 from tests.helpers import WORKERS, check_ranks, reseal, run_ranks
 
 WORKER = WORKERS / "engine_worker.py"

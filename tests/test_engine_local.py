@@ -19,13 +19,13 @@ from resilience import (
     CheckpointExistsError,
     CheckpointManager,
     NoCheckpointError,
-    shm,
 )
+from resilience.checkpoint import shm
+from resilience.checkpoint.staging import SEGMENTS
 from resilience.cli import main as cli
-from resilience.owners import process_start_ticks
-from resilience.pipeline import Pipeline
-from resilience.staging import SEGMENTS
-from resilience.storage import LocalTier
+from resilience.persist.pipeline import Pipeline
+from resilience.storage.owners import process_start_ticks
+from resilience.storage.tiers import LocalTier
 from tests.helpers import base_env
 
 
@@ -76,8 +76,8 @@ def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_pla
     """DCP reads a tensor into new memory and copies it into its target: for a target the loader made itself that
     copy (and the memory it fills) is skipped, and the tensor read is the result; a caller's target, or one read in
     pieces, is filled in place as before."""
-    from resilience import catalog
-    from resilience.loader import load_dcp_metadata, read_tensors
+    from resilience.checkpoint.loader import load_dcp_metadata, read_tensors
+    from resilience.storage import catalog
 
     state = {"big": torch.randn(300, 300), "tiny": torch.arange(5.0), "half": torch.randn(4, 8)}
     with manager(tmp_path) as m:
@@ -218,7 +218,7 @@ def test_background_failure_surfaces_with_context_and_leaves_no_commit(
     monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.helper_faults")  # where the write runs
     monkeypatch.setenv("TEST_HELPER_FAULT", "fail_write")
     if persist == "thread":
-        from resilience import pipeline
+        from resilience.persist import pipeline
 
         def disk_full(self: object, plan: object, planner: object) -> object:
             raise OSError(28, "No space left on device")
@@ -492,7 +492,7 @@ def test_a_save_committed_just_before_the_helper_died_stays_saved(tmp_path: Path
     between (seen under load: the close then raised "Not saved" for a committed step)."""
     import signal
 
-    from resilience.save_handle import SaveHandle
+    from resilience.checkpoint.save_handle import SaveHandle
 
     with manager(tmp_path, on_helper_death="raise") as m:
         first = m.save(1, make_state(1))
@@ -554,7 +554,7 @@ def test_a_process_killed_alone_leaves_no_segment_and_no_leak_warning(tmp_path: 
     script = f"""
 import os, signal, torch
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.staging import SEGMENTS
+from resilience.checkpoint.staging import SEGMENTS
 m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, persist="process"))
 m.save(1, {{f"t{{i}}": torch.ones(100) for i in range(50)}})
 m.wait()
@@ -578,7 +578,7 @@ def test_staging_memory_of_a_job_killed_as_a_process_group_is_reclaimed(tmp_path
     script = f"""
 import os, signal, torch
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.staging import SEGMENTS
+from resilience.checkpoint.staging import SEGMENTS
 os.setpgid(0, 0)
 m = CheckpointManager(CheckpointConfig({str(tmp_path / "killed")!r}, persist="process"))
 m.save(1, {{"w": torch.ones(1000), "b": torch.ones(3_000_000)}})

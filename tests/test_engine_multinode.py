@@ -26,7 +26,7 @@ import torch
 
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.dist import Topology, node_identity
-from resilience.manifest import FileEntry, Manifest, hash_bytes
+from resilience.storage.manifest import FileEntry, Manifest, hash_bytes
 from tests.helpers import WORKERS, base_env, free_port, kill_job, record_tier_opens
 from tests.workers.engine_worker import check_restored, state_for
 

@@ -47,7 +47,7 @@ def test_upload_commits_remotely_and_a_fresh_node_resumes_from_the_url(tmp_path:
 def test_an_exclusive_write_refuses_a_key_that_exists(s3: dict[str, object]) -> None:
     """A manifest PUT carries If-None-Match: * (botocore from 1.35.21; s3fs's pipe_file(mode="create")), and
     the server refuses it where the key exists (moto from 5.0.15): a committed manifest is never replaced."""
-    from resilience.storage import DurableTier
+    from resilience.storage.tiers import DurableTier
 
     tier = DurableTier(str(s3["url"]), s3["options"])  # type: ignore[arg-type]
     path = f"{tier.root}/step-1/manifest.json"
@@ -62,7 +62,7 @@ def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
 ) -> None:
     import threading
 
-    from resilience.storage import DurableTier
+    from resilience.storage.tiers import DurableTier
 
     gate = threading.Event()
     original = DurableTier.put_file

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError, shm, staging
+from resilience import CheckpointConfig, ConfigError, CorruptCheckpointError
+from resilience.checkpoint import shm, staging
+from resilience.checkpoint.tree import flatten, tensor_keys, unflatten
 from resilience.config import auto_persist, persist_until_known
-from resilience.manifest import FileEntry, Manifest, check_relative_path, hash_bytes, hash_stream
-from resilience.retention import steps_to_delete
-from resilience.storage import DurableTier, LocalTier, redact
-from resilience.tree import flatten, tensor_keys, unflatten
+from resilience.storage.manifest import FileEntry, Manifest, check_relative_path, hash_bytes, hash_stream
+from resilience.storage.retention import steps_to_delete
+from resilience.storage.tiers import DurableTier, LocalTier, redact
 
 
 class Opaque:
@@ -254,7 +255,7 @@ def test_redact_masks_credentials() -> None:
 
 
 def test_replicated_tensors_are_dealt_out_among_the_ranks_that_write() -> None:
-    from resilience.survivors import share_among
+    from resilience.recovery.survivors import share_among
 
     sizes = [100, 60, 50, 40, 10]
     tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
@@ -343,9 +344,10 @@ def test_a_long_read_says_it_is_still_going(caplog: pytest.LogCaptureFixture) ->
 
 def test_a_load_counts_the_bytes_it_reads(tmp_path: Path) -> None:
     """What the restore's progress line says it has read: every tensor byte of the step, from its shards."""
-    from resilience import CheckpointConfig, CheckpointManager, catalog
-    from resilience.loader import ReadCounter, load_dcp_metadata, read_tensors
-    from resilience.storage import LocalTier
+    from resilience import CheckpointConfig, CheckpointManager
+    from resilience.checkpoint.loader import ReadCounter, load_dcp_metadata, read_tensors
+    from resilience.storage import catalog
+    from resilience.storage.tiers import LocalTier
 
     state = {"w": torch.randn(512, 512), "b": torch.randn(7)}
     with CheckpointManager(CheckpointConfig(tmp_path)) as manager:

@@ -21,14 +21,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from resilience import CheckpointConfig, CheckpointManager, tensor_records
-from resilience.direct_io import _no_zip_crcs
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.tree import flatten
 from resilience.errors import IncompatibleStateError
-from resilience.export import read_committed, write_file_atomically
-from resilience.loader import MetadataUnpickler
-from resilience.storage import LocalTier
-from resilience.survivors import missing_entries
-from resilience.tree import flatten
+from resilience.formats.export import read_committed, write_file_atomically
+from resilience.persist import tensor_records
+from resilience.persist.direct_io import _no_zip_crcs
+from resilience.recovery.survivors import missing_entries
+from resilience.storage.tiers import LocalTier
 from tests.helpers import WORKERS, check_ranks, run_ranks
 
 

@@ -1,5 +1,5 @@
-"""``resilience export`` and ``resilience.export.export`` with real files: a Lightning ``.ckpt`` equal to the file
-the adapter's names hold (also where Lightning is not installed), ``torch.save`` state dicts that load into the
+"""``resilience export`` and ``resilience.formats.export.export`` with real files: a Lightning ``.ckpt`` equal to
+the file the adapter's names hold (also where Lightning is not installed), ``torch.save`` state dicts that load into the
 model and optimizer of an Accelerate run, sharded safetensors, bf16 and weights-only exports, memory bounded
 while streaming a state several times larger than the bound, the CLI's exit codes, a durable source, and a plain
 ``dcp.load`` of a step folder."""
@@ -29,12 +29,12 @@ from accelerate_resilience import ResiliencePlugin, attach
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import ResilientCheckpointIO
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.tree import flatten
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
-from resilience.export import METADATA_KEY, dcp_keys, export, read_committed, remove_stale_temporaries
-from resilience.layout import rank_prefix
-from resilience.storage import LocalTier
-from resilience.tree import flatten
+from resilience.formats.export import METADATA_KEY, dcp_keys, export, read_committed, remove_stale_temporaries
+from resilience.storage.layout import rank_prefix
+from resilience.storage.tiers import LocalTier
 from tests.helpers import ROOT, WORKERS, base_env
 from tests.test_entries import read_held_out
 from tests.workers.accelerate_train import Job, build_job, train

@@ -15,10 +15,11 @@ import psutil
 import pytest
 import torch
 
-from resilience import CheckpointConfig, CheckpointManager, export
+from resilience import CheckpointConfig, CheckpointManager
 from resilience.errors import CheckpointError
-from resilience.helper import call_in_helper
-from resilience.names import NameWriter, repaired_writer
+from resilience.formats import export
+from resilience.formats.names import NameWriter, repaired_writer
+from resilience.persist.helper import call_in_helper
 from tests.helpers import ROOT, WORKERS, base_env
 from tests.workers.name_then_killed import state as killed_state
 
@@ -58,7 +59,7 @@ def test_the_fork_server_ends_with_its_training_process_and_removes_its_folder()
     # The server skips the interpreter's teardown at its end (os._exit): what it has to do, it does before.
     script = (
         "import os\n"
-        "from resilience.helper import ForkServer, call_in_helper\n"
+        "from resilience.persist.helper import ForkServer, call_in_helper\n"
         "call_in_helper(os.getpid)\n"  # the server is up, and has forked a helper
         "print(ForkServer.get().process.pid, ForkServer.get().folder)\n"
     )
@@ -73,7 +74,7 @@ def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> N
     # In a process of its own: this one's server may be another test's.
     script = (
         "import os\n"
-        "from resilience.helper import ForkServer, call_in_helper, start_server_early, stop_early_server\n"
+        "from resilience.persist.helper import ForkServer, call_in_helper, start_server_early, stop_early_server\n"
         "start_server_early()\n"
         "early = ForkServer.get(early=True)\n"
         "stop_early_server()\n"  # the engine persists in threads: nothing was forked from it

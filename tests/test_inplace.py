@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import torch
 
-from resilience.inplace import Target
-from resilience.launcher import auto_preload
-from resilience.owners import process_start_ticks
+from resilience.recovery.inplace import Target
+from resilience.recovery.launcher import auto_preload
+from resilience.storage.owners import process_start_ticks
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 
 PROBE = WORKERS / "launch_probe.py"

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from examples.demo_model import DemoData, DemoModel
 from lightning_resilience import AutoResume, GoodputMonitor, ResilientCheckpointIO
-from resilience import crc
 from resilience.config import PersistSetting
-from resilience.direct_io import Window
 from resilience.errors import ConfigError
-from resilience.names import METADATA_KEY
+from resilience.formats import crc
+from resilience.formats.names import METADATA_KEY
+from resilience.persist.direct_io import Window
 from tests.helpers import ROOT, base_env
 
 
@@ -290,7 +290,7 @@ def test_the_resume_marker_is_a_json_file_and_an_old_ckpt_marker_still_reads(tmp
     """AutoResume's pointer is no checkpoint, so it is not named like one (users tried torch.load on
     ``resume.ckpt``); a root written before keeps working."""
     from resilience.config import CheckpointConfig
-    from resilience.names import resolve, write_resume_marker
+    from resilience.formats.names import resolve, write_resume_marker
 
     path = write_resume_marker(tmp_path)
     assert os.path.basename(path) == "resume.json"

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.errors import CheckpointError
-from resilience.names import NameWriter, publish
-from resilience.save_handle import Commit, SaveHandle
-from resilience.storage import LocalTier
+from resilience.formats.names import NameWriter, publish
+from resilience.storage.tiers import LocalTier
 
 
 def _zero_in_shards(step_dir: Path, tensor: torch.Tensor) -> None:

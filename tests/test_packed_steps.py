@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from resilience import manifest as manifest_module
-from resilience.catalog import scan
+from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.packing import PackLayout
 from resilience.cli import main as cli
-from resilience.layout import PACK_PREFIX
-from resilience.loader import MetadataUnpickler
-from resilience.manifest import Manifest
-from resilience.packing import PackLayout
-from resilience.storage import LocalTier
+from resilience.storage import manifest as manifest_module
+from resilience.storage.catalog import scan
+from resilience.storage.layout import PACK_PREFIX
+from resilience.storage.manifest import Manifest
+from resilience.storage.tiers import LocalTier
 from tests.helpers import WORKERS, check_ranks, edit_manifest, reseal, run_ranks
 from tests.test_entries import assert_same, like
 

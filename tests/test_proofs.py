@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from resilience import CheckpointConfig, CheckpointManager, catalog, loader, proofs
-from resilience.layout import proof_file
-from resilience.manifest import FileEntry
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint import loader
+from resilience.storage import catalog, proofs
+from resilience.storage.layout import proof_file
+from resilience.storage.manifest import FileEntry
 
 
 def files(directory: Path, names: list[str]) -> list[tuple[str, str]]:
@@ -152,7 +154,7 @@ def test_a_durable_resume_reads_this_nodes_proven_shards_locally_without_hashing
     names = {p.name for p in shards(local, 3)}
     assert len(names) >= 1
     hashed = counting(monkeypatch, loader, "hash_stream")
-    caplog.set_level(logging.INFO, logger="resilience.loader")
+    caplog.set_level(logging.INFO, logger="resilience.checkpoint.loader")
     with CheckpointManager(CheckpointConfig(local, durable_url=durable)) as m:
         restored = m.load()
     assert restored is not None and restored.tier == "durable" and torch.equal(restored.state["w"], make_state(3)["w"])

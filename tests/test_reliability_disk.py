@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointError, CheckpointManager
-from resilience.catalog import scan, verify
 from resilience.cli import main as cli
-from resilience.storage import LocalTier
+from resilience.storage.catalog import scan, verify
+from resilience.storage.tiers import LocalTier
 
 MiB = 1 << 20
 

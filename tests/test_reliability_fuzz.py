@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 
-from resilience.catalog import scan, verify
-from resilience.storage import DurableTier, LocalTier
+from resilience.storage.catalog import scan, verify
+from resilience.storage.tiers import DurableTier, LocalTier
 from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_ranks
 
 WORKER = WORKERS / "reliability_fuzz.py"

@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex
 
 from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
-from resilience.catalog import scan
 from resilience.cli import main as cli
 from resilience.goodput.ledger import GoodputLedger
 from resilience.goodput.telemetry import CheckpointTelemetry
-from resilience.storage import LocalTier
+from resilience.storage.catalog import scan
+from resilience.storage.tiers import LocalTier
 from tests.helpers import FaultProxy, edit_manifest, reseal
 from tests.test_engine_local import make_state, manager
 from tests.test_reliability_s3 import client_options

@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError, beats
-from resilience.catalog import scan, verify
-from resilience.fencing import DurableGuard
-from resilience.lease import Lease, generations, read_beat
-from resilience.manifest import Manifest
-from resilience.owners import Owner, Owners
-from resilience.retention import steps_to_delete
-from resilience.storage import DurableTier, LocalTier
+from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
+from resilience.recovery import beats
+from resilience.storage.catalog import scan, verify
+from resilience.storage.fencing import DurableGuard
+from resilience.storage.lease import Lease, generations, read_beat
+from resilience.storage.manifest import Manifest
+from resilience.storage.owners import Owner, Owners
+from resilience.storage.retention import steps_to_delete
+from resilience.storage.tiers import DurableTier, LocalTier
 from tests.helpers import WORKERS, base_env, edit_manifest, kill_tree
 
 WORKER = WORKERS / "shared_storage_worker.py"

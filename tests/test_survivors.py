@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience.loader import MetadataUnpickler
+from resilience.checkpoint.loader import MetadataUnpickler
 from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_ranks
 
 WORKER = WORKERS / "survivor_worker.py"
@@ -194,8 +194,8 @@ def test_a_second_thread_meeting_the_lost_peer_waits_for_the_first_ones_save(
     collective then fails (the stopped rank is killed, a communicator is aborted), the training thread must wait for
     the rescue's outcome, not let its error end the process mid-save with an exit code no launcher restarts on."""
     from resilience import CheckpointConfig, CheckpointManager
-    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
-    from resilience.survivors import SurvivorOutcome
+    from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.recovery.survivors import SurvivorOutcome
 
     calls: list[int] = []
 
@@ -204,7 +204,7 @@ def test_a_second_thread_meeting_the_lost_peer_waits_for_the_first_ones_save(
         time.sleep(1.0)
         return SurvivorOutcome(step, True, [0], [1])
 
-    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+    monkeypatch.setattr("resilience.recovery.peer_loss.survivor_save", slow_save)
     with CheckpointManager(CheckpointConfig(tmp_path, persist="thread")) as manager:
         watch = PeerLossWatch(manager, PeerLossConfig(), lambda step: BoundarySnapshot(step, {}, dict))
         try:
@@ -230,15 +230,15 @@ def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
     and one end, and both threads leave through the exit (a no-op here: it would end the process)."""
     from resilience import CheckpointConfig, CheckpointManager
     from resilience.goodput import summarize
-    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.recovery.survivors import SurvivorOutcome
     from resilience.session import GoodputConfig, SaveState, TrainingSession
-    from resilience.survivors import SurvivorOutcome
 
     def slow_save(manager: object, *, step: int, **_: object) -> SurvivorOutcome:
         time.sleep(1.0)
         return SurvivorOutcome(step, True, [0], [1], seconds=1.0)
 
-    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+    monkeypatch.setattr("resilience.recovery.peer_loss.survivor_save", slow_save)
     exits: list[str] = []
     with CheckpointManager(CheckpointConfig(tmp_path / "ckpt", persist="thread")) as manager:
         session = TrainingSession(manager, lambda step: SaveState({"w": torch.zeros(2)}, None, {}))
@@ -266,7 +266,7 @@ def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
 def test_the_first_rescue_notice_holds_and_the_heartbeat_hands_it_to_the_other_ranks(tmp_path: Path) -> None:
     """Every survivor follows one notice (the same step, the same lost ranks), posted whole; the poster's own
     heartbeat does not hand it back, the others' do, once."""
-    from resilience.liveness import Liveness, Notice
+    from resilience.recovery.liveness import Liveness, Notice
 
     seen: dict[int, list[Notice]] = {0: [], 1: [], 2: []}
     ranks = [Liveness(str(tmp_path), rank, 3, interval_s=0.1, on_notice=seen[rank].append) for rank in range(3)]
@@ -291,9 +291,9 @@ def gated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closure_s: float,
     """A training thread stepping SGD with a closure (as Lightning does) through a PeerLossWatch, and a survivor
     save (faked: it records what it copies) that takes 0.5 s."""
     from resilience import CheckpointConfig, CheckpointManager
-    from resilience.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
+    from resilience.recovery.survivors import SurvivorOutcome
     from resilience.session import SaveState
-    from resilience.survivors import SurvivorOutcome
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -307,7 +307,7 @@ def gated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closure_s: float,
         seen["saves"].append((step, meeting, before, weight.detach().clone()))
         return SurvivorOutcome(step, True, [0], [1])
 
-    monkeypatch.setattr("resilience.peer_loss.survivor_save", slow_save)
+    monkeypatch.setattr("resilience.recovery.peer_loss.survivor_save", slow_save)
 
     def boundary(step: int) -> BoundarySnapshot:
         seen["at_boundary"][step] = model.weight.detach().clone()
@@ -343,7 +343,7 @@ def gated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closure_s: float,
             if not fail_in_closure:
                 while watch.snapshot is None or watch.snapshot.step < 2:
                     time.sleep(0.01)
-                from resilience.liveness import Notice
+                from resilience.recovery.liveness import Notice
 
                 # the others completed the step this rank is still in: it finishes it, then its next update waits
                 seen["outcome"] = watch.after_failure(None, Notice(1, watch.snapshot.step + 1, frozenset({1})))
@@ -361,7 +361,7 @@ def gated_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closure_s: float,
 def test_a_survivor_told_by_the_notice_saves_the_noticed_step_while_its_next_update_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from resilience.peer_loss import PeerLost
+    from resilience.recovery.peer_loss import PeerLost
 
     seen = gated_run(tmp_path, monkeypatch, closure_s=0.5, fail_in_closure=False)
     ((step, meeting, before, after),) = seen["saves"]

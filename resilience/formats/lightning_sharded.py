@@ -4,7 +4,7 @@ Lightning's ``ModelParallelStrategy`` (and ``FSDPStrategy`` with sharded state d
 directory: DCP files of ``{"state_dict": ..., "optimizer_0": ..., ...}`` as DCP flattens it, and ``meta.pt``
 (``torch.save`` of everything else). Its loader (``fit(ckpt_path=...)``) and
 ``python -m lightning.fabric.utilities.consolidate_checkpoint`` read such directories. A name is written as one
-once its step is committed: the DCP part as a view of the step (:mod:`resilience.dcp_view`: hard links to the
+once its step is committed: the DCP part as a view of the step (:mod:`resilience.checkpoint.dcp_view`: hard links to the
 step's shards, no tensor written twice), ``meta.pt`` from the step's small state; the directory is built beside
 the name and renamed into place, so a reader never sees half of one.
 """
@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from resilience.dcp_view import placeholders, write_view
-from resilience.export import committed_entry
+from resilience.checkpoint.dcp_view import placeholders, write_view
+from resilience.checkpoint.loader import load_skeleton, plan_load, run_load
+from resilience.checkpoint.tree import unflatten
+from resilience.formats.export import committed_entry
 from resilience.formats.lightning_ckpt import as_name
-from resilience.layout import STATE_FILE
-from resilience.loader import load_skeleton, plan_load, run_load
-from resilience.storage import LocalTier, fsync_dir
-from resilience.tree import unflatten
+from resilience.storage.layout import STATE_FILE
+from resilience.storage.tiers import LocalTier, fsync_dir
 
 META_FILE = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 SHARDED_KEYS = ("state_dict", "optimizer_states")  # what Lightning's sharded save moves into the DCP files

@@ -21,9 +21,9 @@ from typing import IO, Any
 
 import torch
 
+from resilience.checkpoint.step_reader import StepReader
 from resilience.errors import ConfigError
 from resilience.formats import raw_bytes
-from resilience.step_reader import StepReader
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

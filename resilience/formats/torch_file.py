@@ -32,10 +32,10 @@ from typing import IO, Any
 
 import torch
 
-from resilience.crc import crc32
-from resilience.direct_io import ALIGN, Window, copy_range, pwrite_aligned, reopen_direct
+from resilience.checkpoint.step_reader import ShardItem, StepReader
 from resilience.formats import raw_bytes
-from resilience.step_reader import ShardItem, StepReader
+from resilience.formats.crc import crc32
+from resilience.persist.direct_io import ALIGN, Window, copy_range, pwrite_aligned, reopen_direct
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -53,7 +53,7 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
     Each storage's record starts on a 4 KiB boundary, so its whole blocks go to the device with ``O_DIRECT``
     from reused aligned buffers (the rest of the file through ``stream``): a name is the whole state written a
     second time, and through the page cache that costs a page per 4 KiB, as the shards would
-    (:mod:`resilience.direct_io`). ``torch.load`` reads any alignment.
+    (:mod:`resilience.persist.direct_io`). ``torch.load`` reads any alignment.
 
     A tensor DCP wrote whole is copied byte for byte from its shard: its entry there is a ``torch.save`` archive
     of the tensor, whose storage record holds exactly these bytes when the tensor was saved contiguous (checked

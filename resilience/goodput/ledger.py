@@ -77,11 +77,11 @@ def incarnation_start() -> float | None:
     Under ``resilience launch`` a process may begin a generation later than it started (a warm spare given a
     rank, a survivor running its script again): its first ledger of a generation begins then."""
     global _process_accounted
-    generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.inplace.ENV_GENERATION
+    generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.recovery.inplace.ENV_GENERATION
     first, _process_accounted = _process_accounted != generation, generation
     if not first:
         return time.time()
-    began = float(os.environ.get("RESILIENCE_GENERATION_BEGAN") or 0.0)  # resilience.inplace.ENV_BEGAN
+    began = float(os.environ.get("RESILIENCE_GENERATION_BEGAN") or 0.0)  # resilience.recovery.inplace.ENV_BEGAN
     started = process_start_time()
     return max(began, started) if started is not None else (began or None)
 
@@ -331,7 +331,7 @@ class GoodputLedger:
         except OSError as exc:  # the spans alone still count; a kill then loses the time since the last one
             log.debug("goodput ledger %s: no pending-span file: %s", path, exc)
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.inplace.ENV_GENERATION
+        generation = os.environ.get("RESILIENCE_GENERATION")  # resilience.recovery.inplace.ENV_GENERATION
         self._write(
             {
                 "e": "start",

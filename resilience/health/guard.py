@@ -50,7 +50,7 @@ from resilience.health.simulated import SimulatedNVML
 from resilience.health.watchdog import HangWatchdog
 
 if TYPE_CHECKING:
-    from resilience.manager import CheckpointManager
+    from resilience.checkpoint.manager import CheckpointManager
 
 log = logging.getLogger(__name__)
 

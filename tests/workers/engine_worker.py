@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from resilience import CheckpointConfig, CheckpointError, CheckpointManager, Restored
-from resilience.pipeline import Pipeline
+from resilience.persist.pipeline import Pipeline
 
 # Multiplies the rows of the two big tensors: TEST_STATE_SCALE=256 makes a checkpoint of about 2.6 MB.
 SCALE = int(os.environ.get("TEST_STATE_SCALE", "1"))
@@ -136,7 +136,7 @@ def main() -> None:
     elif scenario == "name":
         # A Lightning name made on rank 0 from the save that wrote the step: rank 0's share of the tensors from
         # the buffers it staged them in, the rest (rank 1's) read back from rank 1's shards.
-        from resilience.names import NameWriter
+        from resilience.formats.names import NameWriter
 
         gen = torch.Generator().manual_seed(5)
         weights = {f"layer{i}": torch.randn(600, 500, generator=gen) for i in range(4)}

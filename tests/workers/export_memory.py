@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from resilience.export import export
+from resilience.formats.export import export
 
 
 def status_bytes(field: str) -> int:

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resilience import pipeline as pipeline_module
-from resilience import proofs as proofs_module
-from resilience.pipeline import RecordingWriter
-from resilience.staging import HostStager
-from resilience.storage import DurableTier, LocalTier
+from resilience.checkpoint.staging import HostStager
+from resilience.persist import pipeline as pipeline_module
+from resilience.persist.pipeline import RecordingWriter
+from resilience.storage import proofs as proofs_module
+from resilience.storage.tiers import DurableTier, LocalTier
 
 # Where a kill can be planned: the phases a save goes through, by the function that does each.
 PHASES: dict[str, list[tuple[Any, str]]] = {

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 import time
 
-from resilience import pipeline
-from resilience.storage import LocalTier
+from resilience.persist import pipeline
+from resilience.storage.tiers import LocalTier
 
 _FAULT = os.environ.get("TEST_HELPER_FAULT")
 

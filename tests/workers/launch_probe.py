@@ -16,8 +16,8 @@ import signal
 import sys
 import time
 
-from resilience import inplace
 from resilience.goodput.ledger import process_start_time
+from resilience.recovery import inplace
 
 rank, generation = int(os.environ["RANK"]), inplace.generation()
 print(

@@ -12,7 +12,7 @@ import time
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.names import repaired_writer
+from resilience.formats.names import repaired_writer
 
 
 def state() -> dict[str, torch.Tensor]:

@@ -21,7 +21,9 @@ import time
 
 import torch
 
-from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError, beats, owners
+from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
+from resilience.recovery import beats
+from resilience.storage import owners
 
 
 def state(step: int) -> dict[str, object]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from resilience.manager import CheckpointManager
+from resilience.checkpoint.manager import CheckpointManager
 
 
 def slow_down_loads_from_env() -> None:

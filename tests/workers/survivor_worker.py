@@ -35,10 +35,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from resilience import CheckpointConfig, CheckpointManager, peer_loss
+from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.rng import capture_rng
 from resilience.health import HealthConfig
-from resilience.peer_loss import PeerLossConfig
-from resilience.rng import capture_rng
+from resilience.recovery import peer_loss
+from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import IntervalConfig, SaveState, TrainingSession
 from tests.workers.victim import die_after_boundary
 

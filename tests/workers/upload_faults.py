@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from resilience.storage import DurableTier
+from resilience.storage.tiers import DurableTier
 
 
 def fail_uploads(step: int) -> None:

@@ -1,0 +1,1 @@
+"""Lost, hung or slow ranks: liveness, survivor saves, restart in place, and the ``resilience launch`` launcher."""
