@@ -184,9 +184,7 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
         if dcp is not None:
             dcp.wait()  # the last save written and fsynced
         wall, cpu = now() - wall, cpu_seconds() - cpu
-    made = (
-        resilience.manager.stats.saves if resilience is not None else dcp.saves if dcp is not None else saves
-    )
+    made = resilience.manager.stats.saves if resilience is not None else dcp.saves if dcp is not None else saves
     if made != saves:
         raise RuntimeError(f"{variant}: {made} saves made, {saves} asked for")
     if resilience is not None:

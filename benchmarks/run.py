@@ -66,6 +66,7 @@ BENCHES = (
     Bench("ddp", "benchmarks.bench_ddp", quick=("--size-gb", Q, "--saves", "2")),
     Bench("resume", "benchmarks.bench_resume", quick=("--size-gb", Q, "--repeats", "1")),
     Bench("memory", "benchmarks.bench_memory", quick=("--size-gb", Q, "--saves", "4")),
+    Bench("fit-memory", "benchmarks.bench_fit_memory", quick=("--size-gb", "0.05", "--steps", "8")),
     Bench("s3", "benchmarks.bench_s3", quick=("--size-gb", Q, "--repeats", "1")),
     Bench(
         "health",

@@ -1,0 +1,185 @@
+"""Peak host memory of a whole fit, each variant in a fresh process, by proportional set size (PSS).
+
+``bench_lightning --mode added`` and ``bench_accelerate --mode added`` sample memory cheaply (resident sizes, see
+``host_memory.py``) while they time many fits in one process. Two things make those figures unfit to compare ways
+of saving: a fit's peak depends on the memory earlier fits left in the process (the no-save fit's peak moves by
+gigabytes from round to round), and resident sizes count a page shared by two processes once per process or not
+at all, depending on who maps it. Here each variant runs one fit in a fresh process (the same fit as the
+``added`` modes: ``bench_lightning.added_fit``, ``bench_accelerate.added_run``), and every 0.2 s the kernel's PSS
+of the training process and of every process it started is read from ``/proc/<pid>/smaps_rollup``: each page
+counts once, split among the processes that map it, so the sum is the memory the run holds. Reading PSS walks
+every page table (about 25 ms per GB resident), which is why the timed benchmarks do not.
+
+The report gives each variant's peak sum, what it adds to the fit without saves, and where that peak's memory
+was: the training process (its anonymous memory and its share of shared memory) and every other process (the
+helper processes of ours, DCP's checkpoint process, the resource tracker).
+
+    .venv/bin/python -m benchmarks.bench_fit_memory [--frameworks lightning accelerate] [--size-gb 1.6]
+        [--variants ours-async ours-sync dcp-process floor] [--steps 16] [--every 4] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.common import Report, emit, parse, parser, run_worker, scratch, width_for
+
+GIB = 2**30
+FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File")
+DEFAULT_VARIANTS = ["ours-async", "ours-sync", "dcp-process", "floor"]
+
+
+def rollup(pid: int) -> dict[str, int]:
+    """The PSS fields of ``/proc/<pid>/smaps_rollup``, in bytes."""
+    fields = {}
+    with open(f"/proc/{pid}/smaps_rollup") as lines:
+        for line in lines:
+            key, _, rest = line.partition(":")
+            if key in FIELDS:
+                fields[key] = int(rest.split()[0]) * 1024
+    return fields
+
+
+def role(process: psutil.Process) -> str:
+    """What a process of the run is, from its command line."""
+    command = " ".join(process.cmdline())
+    if "resource_tracker" in command:
+        return "resource tracker"
+    if "resilience.helper" in command:
+        return "ours: fork server or helper"
+    if "spawn_main" in command:
+        return "DCP's checkpoint process"
+    return "other"
+
+
+class ProportionalPeak:
+    """While entered, sums the PSS of this process and its descendants every ``interval_s`` and keeps the
+    highest sum with its split by process role."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self._process = psutil.Process()
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-pss", daemon=True)
+        self.peak: dict[str, Any] = {"total": 0}
+
+    def read(self) -> dict[str, Any]:
+        """One sample: the total PSS, the training process's fields, and each other role's PSS."""
+        sample: dict[str, Any] = {"total": 0, "training": rollup(self._process.pid), "others": {}}
+        sample["total"] = sample["training"]["Pss"]
+        for child in self._process.children(recursive=True):
+            try:
+                pss, name = rollup(child.pid)["Pss"], role(child)
+            except (OSError, psutil.Error):  # ended between the listing and the read
+                continue
+            sample["others"][name] = sample["others"].get(name, 0) + pss
+            sample["total"] += pss
+        return sample
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            sample = self.read()
+            if sample["total"] > self.peak["total"]:
+                self.peak = sample
+
+    def __enter__(self) -> ProportionalPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def worker(framework: str, variant: str, args: argparse.Namespace) -> None:
+    """One fit of ``variant`` in this fresh process; emits its peak PSS sample."""
+    root = Path(tempfile.mkdtemp(prefix="fit-memory-", dir=args.dir))
+    if framework == "lightning":
+        from benchmarks import bench_lightning as bench
+
+        model = bench.Net(width_for(args.size_gb))
+        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
+        with ProportionalPeak() as peak:
+            bench.added_fit(model, key, root, args.steps, args.every)
+    else:
+        from benchmarks import bench_accelerate as bench
+        from benchmarks.common import LAYERS, build
+
+        model, _, _ = build(LAYERS, width_for(args.size_gb))
+        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
+        with ProportionalPeak() as peak:
+            bench.added_run(model, key, root, args.steps, args.every)
+    from benchmarks.dcp_recipe import end_checkpoint_process
+
+    end_checkpoint_process()
+    emit(peak.peak)
+
+
+def run(framework: str, variant: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    options = [*("--size-gb", str(args.size_gb), "--steps", str(args.steps), "--every", str(args.every))]
+    (result,), _ = run_worker(
+        "benchmarks.bench_fit_memory",
+        ["--worker", framework, variant, *options, "--dir", str(directory), "--threads", str(args.threads)],
+        timeout=900,
+    )
+    return result
+
+
+def table(report: Report, framework: str, peaks: dict[str, list[dict[str, Any]]]) -> None:
+    """One row per variant: medians over the rounds of the peak and of its split."""
+
+    def median(variant: str, pick: Any) -> float:
+        return statistics.median(pick(sample) for sample in peaks[variant]) / GIB
+
+    base = median("no-saves", lambda s: s["total"])
+    roles = sorted({name for samples in peaks.values() for s in samples for name in s["others"]})
+    rows = []
+    for variant in peaks:
+        total = median(variant, lambda s: s["total"])
+        row = [variant, f"{total:.2f}", "-" if variant == "no-saves" else f"{total - base:+.2f}"]
+        row += [f"{median(variant, lambda s, f=f: s['training'].get(f, 0)):.2f}" for f in ("Pss_Anon", "Pss_Shmem")]
+        row += [f"{median(variant, lambda s, r=r: s['others'].get(r, 0)):.2f}" for r in roles]
+        rows.append(row)
+    report.add(f"**{framework}**")
+    report.table(
+        ["variant", "peak PSS, all processes", "added by saving", "training: anonymous", "training: shared memory"]
+        + roles,
+        rows,
+    )
+
+
+def main() -> None:
+    p = parser(__doc__, size_gb=1.6, repeats=1)
+    p.add_argument("--frameworks", nargs="+", choices=("lightning", "accelerate"), default=["lightning", "accelerate"])
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="keys of the added modes' --variants")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--every", type=int, default=4)
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parse(p)
+    if args.worker:
+        worker(*args.worker, args)
+        return
+    report = Report(
+        "Peak host memory of a whole fit, by PSS, one fresh process per fit",
+        f"8 x Linear(w, w) + Adam, w = {width_for(args.size_gb)} (about {args.size_gb} GB); {args.steps} steps, "
+        f"a save every {args.every}; {args.repeats} round(s); GiB, medians",
+    )
+    with scratch(args.dir, "fit-memory") as root:
+        for framework in args.frameworks:
+            peaks: dict[str, list[dict[str, Any]]] = {v: [] for v in ["no-saves", *args.variants]}
+            for _ in range(args.repeats):
+                for variant in peaks:
+                    peaks[variant].append(run(framework, variant, args, root))
+            table(report, framework, peaks)
+    report.print()
+
+
+if __name__ == "__main__":
+    main()
