@@ -149,8 +149,14 @@ def table(report: Report, framework: str, peaks: dict[str, list[dict[str, Any]]]
         rows.append(row)
     report.add(f"**{framework}**")
     report.table(
-        ["variant", "peak PSS, all processes", "added by saving", "training: anonymous", "training: shared memory"]
-        + roles,
+        [
+            "variant",
+            "peak PSS, all processes",
+            "added by saving",
+            "training: anonymous",
+            "training: shared memory",
+            *roles,
+        ],
         rows,
     )
 
