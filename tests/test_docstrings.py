@@ -20,6 +20,7 @@ from lightning_resilience import (
 )
 from resilience.config import CheckpointConfig
 from resilience.docstrings import adapter_classes, args_doc, field_docs, parameters, render_args, written_section
+from resilience.recovery.peer_loss import PeerLossConfig
 
 # The strategies take Lightning's own strategies' arguments (documented by Lightning), and ResilienceHandle is
 # made by attach(); these are the classes users configure the pack with.
@@ -45,8 +46,10 @@ def test_texts_come_from_the_engine_and_the_adapter() -> None:
     keep_last = field_docs(CheckpointConfig)["keep_last"]
     assert field_docs(ResilientCheckpointIO)["keep_last"] == keep_last
     assert field_docs(ResiliencePlugin)["keep_last"].startswith(keep_last)  # then the plugin's own default
-    # a renamed field: the engine's text, calling the field by the plugin's name
-    assert "``<local_dir>/step-<N>/``" in field_docs(ResiliencePlugin)["local_dir"]
+    # both adapters take the engine's name for the same setting, with the engine's text
+    assert field_docs(ResiliencePlugin)["local_root"].startswith(field_docs(ResilientCheckpointIO)["local_root"][:80])
+    # a renamed field: the engine's text, under the plugin's name
+    assert field_docs(ResiliencePlugin)["survivor_saves"].startswith(field_docs(PeerLossConfig)["enabled"])
     assert "Default: 25." in field_docs(ResiliencePlugin)["grace_s"]
     assert "Default:" not in field_docs(HealthGuardCallback)["grace_s"]  # its signature shows it
 
