@@ -3,7 +3,7 @@
     from accelerate_resilience import ResiliencePlugin, attach
 
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    resilience = attach(accelerator, ResiliencePlugin(local_dir="ckpt", durable_url="s3://bucket/run"))
+    resilience = attach(accelerator, ResiliencePlugin(local_root="ckpt", durable_url="s3://bucket/run"))
     point = resilience.resume()
 
 See docs/ACCELERATE.md.

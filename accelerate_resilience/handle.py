@@ -101,7 +101,7 @@ class ResilienceHandle:
         project = accelerator.project_configuration
         limit = project.total_limit
         config = plugin.checkpoint_config(
-            local_dir=os.path.join(project.project_dir, "resilience") if project.project_dir else None,
+            local_root=os.path.join(project.project_dir, "resilience") if project.project_dir else None,
             keep_last=max(2, limit) if limit else None,
             auto=auto_persist(compat.models(accelerator), accelerator.num_processes),
         )

@@ -7,12 +7,13 @@ training script (:mod:`resilience.env_settings`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from resilience import env_settings as env
 from resilience.config import CheckpointConfig, Persist, persist_until_known
-from resilience.docstrings import document
+from resilience.docstrings import documented_by
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
 from resilience.persist.helper import start_server_early
@@ -28,6 +29,7 @@ _ENGINE_NAMES = {"span_s": "goodput_span_s", "window_steps": "data_window_steps"
 _OWN = {
     "health": "Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a "
     "fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).",
+    "local_dir": "The old name of ``local_root`` (keyword or variable): still read, with a warning.",
     "goodput": "Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went, across "
     "restarts. Only the main process writes it.",
 }
@@ -43,16 +45,16 @@ _NOTES = {
     "(:func:`resilience.config.auto_persist` says why).",
     "data_window_steps": "The figures are those of :meth:`ResilienceHandle.timed`.",
     # the defaults the plugin takes from the Accelerator (the others are shown from the fields)
-    "local_dir": "Default: ``<project_dir>/resilience`` when the Accelerator has a "
+    "local_root": "Default: ``<project_dir>/resilience`` when the Accelerator has a "
     "``ProjectConfiguration(project_dir=...)``.",
     "keep_last": "Default: the ``ProjectConfiguration``'s ``total_limit`` (raised to 2), else 3.",
-    "run_dir": "Default: the ``ProjectConfiguration``'s ``project_dir``, else ``local_dir`` itself (its parent may "
+    "run_dir": "Default: the ``ProjectConfiguration``'s ``project_dir``, else ``local_root`` itself (its parent may "
     "hold other runs).",
 }
-_RENAMED = {"local_dir": "local_root", "survivor_saves": "enabled", **{v: k for k, v in _ENGINE_NAMES.items()}}
+_RENAMED = {"survivor_saves": "enabled", **{v: k for k, v in _ENGINE_NAMES.items()}}
 
 
-@document(
+@documented_by(
     CheckpointConfig,
     IntervalConfig,
     GoodputConfig,
@@ -69,9 +71,88 @@ class ResiliencePlugin:
 
     Every field left at ``None`` is read from ``ACCELERATE_RESILIENCE_<FIELD>`` (e.g.
     ``ACCELERATE_RESILIENCE_DURABLE_URL``), else takes the default shown.
+
+    Args:
+        local_root: Directory of the fast tier (node-local NVMe, or a shared file system). Each checkpoint is
+            written to ``<local_root>/step-<N>/`` and counts once its ``manifest.json`` is there. Default:
+            ``<project_dir>/resilience`` when the Accelerator has a ``ProjectConfiguration(project_dir=...)``.
+        durable_url: Optional fsspec URL of the durable tier (``s3://bucket/run``, ``gs://...``, ``file:///...``,
+            ``memory://...``). Committed local checkpoints are uploaded there in the background.
+        storage_options: Keyword arguments for the durable tier's fsspec filesystem (``endpoint_url``, ``key``,
+            ...). They are never written to logs, manifests or reports. In the variable: a JSON object.
+        every_n_steps: Save every N optimizer steps (at steps that are multiples of N), ``"auto"`` for the
+            Young/Daly interval ``sqrt(2 * C * MTBF)`` from the measured blocking cost C of a save, or None for no
+            interval saves. A save comes when the next batch is drawn, so the step, its scheduler step and the data
+            position are complete; with ``"auto"`` the first comes 5 steps in, to measure C. Default: only when you
+            call ``save()``.
+        keep_last: How many newest committed checkpoints each tier keeps (at least 2: the newest may still be
+            uploading or be the one a crash interrupts). Default: the ``ProjectConfiguration``'s ``total_limit``
+            (raised to 2), else 3.
+        keep_every: Also keep every checkpoint whose step is a multiple of this (milestones).
+        async_staging: Copy the state to host memory in the background. Until the copy is done, the next
+            ``optimizer.step()`` (of any optimizer) first waits for it, through a global optimizer pre-step hook
+            that exists only while a copy is pending; callers may also call ``wait_for_staging()`` themselves.
+            Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's,
+            ``register_for_checkpointing`` objects) must not change before that step; turn it off for those.
+            Default: true.
+        when_busy: What a save does while the previous one is still being staged or written: ``"wait"`` for it, or
+            ``"skip"`` the new one (counted and warned). Default: ``"wait"``.
+        on_upload_error: ``"raise"`` stops training at the next save with the upload's error; ``"warn"`` keeps
+            training on the local tier and logs the error. Default: ``"raise"``.
+        verify: What discovery checks before it trusts a checkpoint: ``"size"`` (every file present with its size,
+            and checksums of the small pickled/JSON files), ``"full"`` (checksums of every file), or ``"auto"``:
+            full from the local tier (a flipped bit in a shard would otherwise load as a wrong number), except for
+            shards this node hashed at commit and nothing has written, replaced or renamed since (its recorded inode
+            and change time prove it; ``"full"`` hashes them anyway, for bits flipped underneath the file system);
+            from the durable one sizes first, then each shard hashed as it is read, before DCP parses it (a full
+            check first would download every shard twice). Default: ``"auto"``.
+        fsync: Flush shards and manifest to stable storage before the local commit. Default: true.
+        direct_io: Write shards to the local tier with ``O_DIRECT``, past the page cache, from a few reused aligned
+            buffers (hashed as they go out, so the commit reads nothing back). A buffered write of the state costs
+            the kernel page-cache pages to allocate and reclaim, seconds of system CPU per save at gigabytes, on the
+            cores training uses. The price: a resume on the same node reads from the device, not from memory. Where
+            the file system refuses ``O_DIRECT``, writes are buffered. Default: true.
+        upload_concurrency: Files uploaded at once per rank. Default: 8.
+        upload_retries: Attempts per file beyond the first before the upload fails. Default: 5.
+        upload_backoff_s: First retry delay; doubles per attempt (with jitter), capped at 30 s. Default: 0.5.
+        local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
+            directory; ranks that write to different directories are different nodes, whatever their hostnames).
+        allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from storage
+            runs code when loaded. Default: false.
+        health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a
+            fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
+            Default: false.
+        grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must fit, the
+            upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
+            (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL. The same time
+            bounds a survivor save after a lost peer. Default: 25.
+        survivor_saves: When a rank dies or hangs, the healthy ranks commit the last completed step from their
+            replicas and exit (needs a local tier every rank sees). Default: true.
+        persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):
+            ``"process"``, a helper process per rank reading the staged state from shared memory, so none of it
+            competes with the training thread for the interpreter lock; or ``"thread"``, threads of the training
+            process (no shared memory needed). Or ``"auto"``: ``"thread"`` for one process with a model under 4 MiB,
+            else ``"process"`` (:func:`resilience.config.auto_persist` says why). Default: ``"auto"``.
+        mtbf_hours: With ``"auto"``: the job's mean time between failures, if known; else observed from the run's
+            restarts in its goodput ledger, else a prior of 5.8 GPU-years per GPU.
+        min_interval_s: With ``"auto"``: the shortest interval it may choose. Default: 60.
+        max_interval_s: With ``"auto"``: the longest interval it may choose. Default: 21600.
+        goodput: Keep the run's goodput ledger (``resilience report RUN_DIR``): where the wall time went, across
+            restarts. Only the main process writes it. Default: true.
+        run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several nodes be
+            on a shared file system. Only the main process writes it. Default: the ``ProjectConfiguration``'s
+            ``project_dir``, else ``local_root`` itself (its parent may hold other runs).
+        goodput_span_s: How often the ledger writes what it has summed up as a span; between spans the pending one
+            is kept in a side file at each step's end, so a kill loses only the time since the last step ended (it
+            then shows as downtime). Default: 10.
+        data_window_steps: Steps per data-wait window (one metrics row and at most one starvation warning each). The
+            figures are those of :meth:`ResilienceHandle.timed`. Default: 50.
+        starvation_threshold: Fraction of step time spent waiting for data above which the accelerator starves.
+            Default: 0.05.
+        local_dir: The old name of ``local_root`` (keyword or variable): still read, with a warning.
     """
 
-    local_dir: str | None = env.setting(None, env.text)
+    local_root: str | None = env.setting(None, env.text)
     durable_url: str | None = env.setting(None, env.text)
     storage_options: dict[str, Any] | None = env.setting({}, env.json_object, repr=False)
     every_n_steps: int | Literal["auto"] | None = env.setting(None, env.steps)
@@ -100,10 +181,12 @@ class ResiliencePlugin:
     goodput_span_s: float | None = env.setting(10.0, env.number)
     data_window_steps: int | None = env.setting(50, env.integer)
     starvation_threshold: float | None = env.setting(0.05, env.number)
+    local_dir: str | None = env.setting(None, env.text)
     from_env: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.from_env = env.fill_from_env(self, ENV_PREFIX)
+        self._take_old_names()
         if not isinstance(self.storage_options, dict):
             raise ConfigError(f"storage_options must be a dict of fsspec options, not {type(self.storage_options)}")
         try:  # every setting is checked now, not at the first save
@@ -112,19 +195,39 @@ class ResiliencePlugin:
             self.health_config(False)
         except ConfigError as exc:
             raise ConfigError(env.blame(str(exc), self.from_env, _ENGINE_NAMES)) from None
-        if self.checkpoint_config(local_dir=self.local_dir or ".").persist == "process":
+        if self.checkpoint_config(local_root=self.local_root or ".").persist == "process":
             start_server_early()
 
+    def _take_old_names(self) -> None:
+        """``local_dir``, this plugin's name for ``local_root`` before both adapters took the engine's: still read
+        (keyword or variable), with a warning, so that job scripts written for it keep working."""
+        if self.local_dir is None:
+            return
+        old = env.env_name(ENV_PREFIX, "local_dir") if "local_dir" in self.from_env else "local_dir"
+        new = env.env_name(ENV_PREFIX, "local_root") if old != "local_dir" else "local_root"
+        if self.local_root is not None and self.local_root != self.local_dir:
+            raise ConfigError(
+                f"ResiliencePlugin got local_root={self.local_root!r} and {old}={self.local_dir!r}: {old} is the old "
+                f"name of local_root; give only {new}"
+            )
+        warnings.warn(
+            f"ResiliencePlugin: {old} is now {new} (the name ResilientCheckpointIO takes too)",
+            FutureWarning,
+            stacklevel=4,
+        )
+        self.local_root, self.local_dir = self.local_dir, None
+
     def checkpoint_config(
-        self, *, local_dir: str | None = None, keep_last: int | None = None, auto: Persist = "process"
+        self, *, local_root: str | None = None, keep_last: int | None = None, auto: Persist = "process"
     ) -> CheckpointConfig:
-        """The engine's settings; ``local_dir`` and ``keep_last`` fill what this plugin leaves to the accelerator,
+        """The engine's settings; ``local_root`` and ``keep_last`` fill what this plugin leaves to the accelerator,
         ``auto`` what ``persist="auto"`` comes to for the prepared models (:func:`resilience.config.auto_persist`;
         ``"process"`` until they are known)."""
-        root = self.local_dir or local_dir
+        root = self.local_root or local_root
         if not root:
             raise ConfigError(
-                f"ResiliencePlugin has no local_dir: pass local_dir=..., set {env.env_name(ENV_PREFIX, 'local_dir')}, "
+                "ResiliencePlugin has no local_root: pass local_root=..., set "
+                f"{env.env_name(ENV_PREFIX, 'local_root')}, "
                 "or give the Accelerator a ProjectConfiguration(project_dir=...)"
             )
         try:

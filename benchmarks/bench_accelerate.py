@@ -271,7 +271,7 @@ def main() -> None:
     for staging in ("sync", "async"):
         accelerator = Accelerator(cpu=True)
         accelerator.prepare(model, optimizer)
-        plugin = ResiliencePlugin(local_dir=str(root / staging), keep_last=2, async_staging=staging == "async")
+        plugin = ResiliencePlugin(local_root=str(root / staging), keep_last=2, async_staging=staging == "async")
         handles[f"resilience save, {staging} staging"] = attach(accelerator, plugin)
     dcp = DcpProcessSaver()  # its first turn starts DCP's process, in the background: "committed" waits for it
     saves: dict[str, Callable[[int], tuple[float, float, float]]] = {

@@ -138,7 +138,7 @@ def accelerate_run(variant: str, root: Path, args: Any, marks: dict[str, float])
     if variant == OURS:
         from accelerate_resilience import ResiliencePlugin, attach
 
-        plugin = ResiliencePlugin(local_dir=str(root / "checkpoints"), every_n_steps=every, health=True)
+        plugin = ResiliencePlugin(local_root=str(root / "checkpoints"), every_n_steps=every, health=True)
         handle = attach(accelerator, plugin)
         handle.resume()
     batches = handle.timed(loader) if handle is not None else loader

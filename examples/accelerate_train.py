@@ -8,7 +8,7 @@ Two CPU processes (on GPUs, drop --cpu):
 Interrupt it any way you like (Ctrl-C, ``kill -9``, ``kill -TERM`` of one worker) and run the same command again:
 it continues from the newest checkpoint with the batches and random numbers an uninterrupted run would have used.
 ``resilience report /tmp/ckpt`` then shows where the wall time of every run went (goodput, lost progress).
-Every setting can come from the environment instead (``ACCELERATE_RESILIENCE_LOCAL_DIR``, ``..._DURABLE_URL``,
+Every setting can come from the environment instead (``ACCELERATE_RESILIENCE_LOCAL_ROOT``, ``..._DURABLE_URL``,
 ``..._EVERY_N_STEPS``, ...; see docs/ACCELERATE.md), which is how ``accelerate launch`` configures plugins.
 """
 
@@ -51,7 +51,7 @@ def main() -> None:
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
 
     every = args.every if args.every == "auto" else int(args.every)
-    plugin = ResiliencePlugin(local_dir=args.ckpt, durable_url=args.durable_url, every_n_steps=every, health=True)
+    plugin = ResiliencePlugin(local_root=args.ckpt, durable_url=args.durable_url, every_n_steps=every, health=True)
     resilience = attach(accelerator, plugin)  # resilience
     point = resilience.resume()  # resilience: models, optimizer, scheduler, RNG, data position
     if point.restored:

@@ -41,7 +41,7 @@ from resilience.config import (
     persist_until_known,
 )
 from resilience.dist import first_process_of_node, is_distributed
-from resilience.docstrings import document
+from resilience.docstrings import documented_by
 from resilience.formats import crc
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.formats.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
@@ -54,7 +54,7 @@ from resilience.storage.tiers import LocalTier
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 
 
-@document(
+@documented_by(
     CheckpointConfig,
     PeerLossConfig,
     renamed={"survivor_saves": "enabled"},
@@ -78,6 +78,60 @@ class ResilientCheckpointIO(CheckpointIO):
     checkpoint file, written from the committed step in the background (``load_from_checkpoint``,
     ``torch.load`` and Trainers without this plugin read it). A save outside ``fit()`` returns once committed
     and its file written. Under DDP use ``strategy="resilient_ddp"`` so every rank writes its part.
+
+    Args:
+        local_root: Directory of the fast tier (node-local NVMe, or a shared file system). Each checkpoint is
+            written to ``<local_root>/step-<N>/`` and counts once its ``manifest.json`` is there. One run per
+            directory.
+        durable_url: Optional fsspec URL of the durable tier (``s3://bucket/run``, ``gs://...``, ``file:///...``,
+            ``memory://...``). Committed local checkpoints are uploaded there in the background.
+        storage_options: Keyword arguments for the durable tier's fsspec filesystem (``endpoint_url``, ``key``,
+            ...). They are never written to logs, manifests or reports.
+        keep_last: How many newest committed checkpoints each tier keeps (at least 2: the newest may still be
+            uploading or be the one a crash interrupts).
+        keep_every: Also keep every checkpoint whose step is a multiple of this (milestones).
+        async_staging: Copy the state to host memory in the background. Until the copy is done, the next
+            ``optimizer.step()`` (of any optimizer) first waits for it, through a global optimizer pre-step hook
+            that exists only while a copy is pending; callers may also call ``wait_for_staging()`` themselves.
+        staging_barrier: Where that wait happens: ``"optimizer_step"`` (copy overlaps forward and backward; the
+            torchtitan pattern), ``"forward"`` (before the next module forward, for models whose forward changes
+            saved state, such as BatchNorm running statistics), or ``"auto"``: ``"forward"`` when the framework
+            adapter sees such a module in the model, else ``"optimizer_step"``.
+        when_busy: What a save does while the previous one is still being staged or written: ``"wait"`` for it, or
+            ``"skip"`` the new one (counted and warned).
+        verify: What discovery checks before it trusts a checkpoint: ``"size"`` (every file present with its size,
+            and checksums of the small pickled/JSON files), ``"full"`` (checksums of every file), or ``"auto"``:
+            full from the local tier (a flipped bit in a shard would otherwise load as a wrong number), except for
+            shards this node hashed at commit and nothing has written, replaced or renamed since (its recorded inode
+            and change time prove it; ``"full"`` hashes them anyway, for bits flipped underneath the file system);
+            from the durable one sizes first, then each shard hashed as it is read, before DCP parses it (a full
+            check first would download every shard twice).
+        fsync: Flush shards and manifest to stable storage before the local commit.
+        direct_io: Write shards to the local tier with ``O_DIRECT``, past the page cache, from a few reused aligned
+            buffers (hashed as they go out, so the commit reads nothing back). A buffered write of the state costs
+            the kernel page-cache pages to allocate and reclaim, seconds of system CPU per save at gigabytes, on the
+            cores training uses. The price: a resume on the same node reads from the device, not from memory. Where
+            the file system refuses ``O_DIRECT``, writes are buffered.
+        upload_concurrency: Files uploaded at once per rank.
+        upload_retries: Attempts per file beyond the first before the upload fails.
+        upload_backoff_s: First retry delay; doubles per attempt (with jitter), capped at 30 s.
+        on_upload_error: ``"raise"`` stops training at the next save with the upload's error; ``"warn"`` keeps
+            training on the local tier and logs the error.
+        allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from storage
+            runs code when loaded.
+        local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
+            directory; ranks that write to different directories are different nodes, whatever their hostnames).
+        collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
+        sync_names_below_mb: A checkpoint with less tensor data than this gets its file before ``save_checkpoint``
+            returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the
+            background.
+        persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):
+            ``"process"``, a helper process per rank reading the staged state from shared memory, so none of it
+            competes with the training thread for the interpreter lock; or ``"thread"``, threads of the training
+            process (no shared memory needed). Or ``"auto"``, the default: ``"thread"`` for one process with a model
+            under 4 MiB, else ``"process"`` (:func:`resilience.config.auto_persist` says why).
+        survivor_saves: When a rank dies or hangs, the healthy ranks commit the last completed step from their
+            replicas and exit (needs a local tier every rank sees). Needs one of the pack's callbacks.
     """
 
     def __init__(

@@ -6,11 +6,11 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
-from resilience.docstrings import document
+from resilience.docstrings import documented_by
 from resilience.session import GoodputConfig, TrainingSession
 
 
-@document(GoodputConfig, notes={"run_dir": "Default: ``trainer.default_root_dir``."})
+@documented_by(GoodputConfig, notes={"run_dir": "Default: ``trainer.default_root_dir``."})
 class GoodputMonitor(SessionCallback):
     """Keeps the goodput ledger of the run and logs data-wait and checkpoint metrics to every logger.
 
@@ -18,6 +18,15 @@ class GoodputMonitor(SessionCallback):
     step's start is the fetch and host-to-device copy plus whatever callbacks and validation did in between.
     The session counts that gap, less the time saves blocked and validation took, as data wait.
     ``resilience report RUN_DIR`` reads the ledger.
+
+    Args:
+        run_dir: Where the ledger lives (``<run_dir>/goodput/``); it must outlive a restart, and on several nodes be
+            on a shared file system. Only the main process writes it. Default: ``trainer.default_root_dir``.
+        window_steps: Steps per data-wait window (one metrics row and at most one starvation warning each).
+        starvation_threshold: Fraction of step time spent waiting for data above which the accelerator starves.
+        span_s: How often the ledger writes what it has summed up as a span; between spans the pending one is kept
+            in a side file at each step's end, so a kill loses only the time since the last step ended (it then
+            shows as downtime).
     """
 
     def __init__(

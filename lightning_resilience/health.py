@@ -10,12 +10,12 @@ import lightning.pytorch as pl
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience import env_settings as env
-from resilience.docstrings import document
+from resilience.docstrings import documented_by
 from resilience.health import EmergencySave, HealthConfig, SignalWatcher, signal_watcher
 from resilience.session import TrainingSession
 
 
-@document(HealthConfig)
+@documented_by(HealthConfig)
 class HealthGuardCallback(SessionCallback):
     """Watches NVML, preemption signals and hangs; at a step boundary all ranks agree, save, commit and exit.
 
@@ -28,6 +28,35 @@ class HealthGuardCallback(SessionCallback):
     handling for the run (which stops without saving). From its construction until training begins (the
     launch, a restore), a stop signal ends the process at once with the preemption code: nothing is trained
     yet. Every argument is a :class:`HealthConfig` field.
+
+    Args:
+        grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must fit, the
+            upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
+            (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL.
+        check_every_n_steps: Agree across ranks on steps that are multiples of this. Each check is one all-reduce of
+            three int64 values on a gloo group; on very large jobs raise this.
+        save_on_degraded: Also checkpoint when ranks agree on a degraded fault (training continues).
+        nvml: Watch GPUs through NVML (nvidia-ml-py). Without it, or without a driver, only signals and the hang
+            watchdog work (one notice says so).
+        devices: NVML indices or UUIDs this rank watches (default: LOCAL_RANK's entry of CUDA_VISIBLE_DEVICES; see
+            :func:`~resilience.health.nvml.default_devices`).
+        poll_interval_s: Seconds between reads of ECC counters, remapped rows, clock-event reasons and the
+            recovery-action field. XID and ECC events arrive without polling.
+        signals: Signals taken as preemption: SLURM, torchrun, ``accelerate launch`` and Kubernetes send SIGTERM,
+            SLURM SIGUSR1 with ``--signal``, ``srun`` and a terminal's Ctrl-C SIGINT.
+        fault_table: Overrides merged over the default table, e.g. ``{"xid": {"13": "fatal"}}`` (see
+            :mod:`resilience.health.faults`).
+        watchdog: Run the hang watchdog.
+        hang_factor: Warn when a step takes longer than this times the running median (and ``hang_min_s``).
+        hang_min_s: Steps shorter than this many seconds are never a hang, whatever the median.
+        hang_min_samples: Steps measured before the watchdog judges.
+        hang_window: Steps in the running median.
+        exit_code_preempted: Exit code after a preemption (default 75, ``EX_TEMPFAIL``).
+        exit_code_gpu_fault: Exit code after a fatal fault (default 69, ``EX_UNAVAILABLE``).
+        exit_timeout_s: After :meth:`HealthGuard.stop`, force the exit (``os._exit`` with the same code) if teardown
+            or a non-daemon thread holds the process longer than this; a worker that never exits stops an elastic
+            agent from ever restarting the group.
+        inject: Planned faults in the ``RESILIENCE_INJECT`` syntax (default: that environment variable).
     """
 
     def __init__(

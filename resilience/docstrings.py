@@ -1,19 +1,23 @@
-"""Adapter classes' ``Args:`` sections, rendered from the engine configs' own documentation of each field.
+"""Adapter classes' ``Args:`` sections, kept equal to the engine configs' own documentation of each field.
 
 The framework adapters take the engine's settings as constructor arguments, and their users read those
 arguments' documentation from the class's ``__doc__`` (LightningCLI's ``--help`` through jsonargparse, Sphinx,
-``help()``). Written out again in each adapter, the same text drifted from the engine's meaning. Here an
-adapter names the config classes its arguments come from and writes only what differs for it (its own
-arguments, another default, another name); the section is rendered when the class is made, and an argument
-documented nowhere stops the import instead of showing blank in ``--help``. Nothing here imports a framework.
+``help()``) or from the source. Written out again by hand in each adapter, the same text drifted from the
+engine's meaning. So an adapter names the config classes its arguments come from and writes only what differs
+for it (its own arguments, another default, another name) with :func:`documented_by`; ``python -m
+resilience.docstrings`` renders each section into the adapter's source, and a test fails when a written section
+differs from its rendering (an argument documented nowhere, a text changed in the engine). Nothing here imports
+a framework.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import textwrap
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 T = TypeVar("T", bound=type)
@@ -134,18 +138,93 @@ def _renamed(text: str, renamed: Mapping[str, str]) -> str:
     return re.sub(r"``.+?``", lambda code: re.sub(r"\w+", lambda word: adapter.get(word[0], word[0]), code[0]), text)
 
 
-def document(
+@dataclass(frozen=True)
+class ArgsDoc:
+    """Where an adapter's ``Args:`` section comes from: :func:`render_args`' arguments after the class."""
+
+    sources: tuple[type, ...]
+    own: Mapping[str, str] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    notes: Mapping[str, str] = field(default_factory=dict)
+    defaults: bool = False
+
+    def render(self, cls: type) -> str:
+        return render_args(cls, self.sources, self.own, self.renamed, self.notes, self.defaults)
+
+
+def documented_by(
     *sources: type,
     own: Mapping[str, str] | None = None,
     renamed: Mapping[str, str] | None = None,
     notes: Mapping[str, str] | None = None,
     defaults: bool = False,
 ) -> Callable[[T], T]:
-    """Class decorator: ``__doc__`` becomes the class's own text followed by :func:`render_args`' section."""
+    """Class decorator: records where ``cls``'s ``Args:`` section comes from (``__args_doc__``); the docstring
+    itself is written in the source (:func:`write_section`), so nothing is rendered at import time."""
 
-    def apply(cls: T) -> T:
-        intro = inspect.cleandoc(cls.__doc__ or "")
-        cls.__doc__ = f"{intro}\n\n{render_args(cls, sources, own, renamed, notes, defaults)}\n"
+    spec = ArgsDoc(sources, dict(own or {}), dict(renamed or {}), dict(notes or {}), defaults)
+
+    def record(cls: T) -> T:
+        cls.__args_doc__ = spec  # type: ignore[attr-defined]
         return cls
 
-    return apply
+    return record
+
+
+def args_doc(cls: type) -> ArgsDoc:
+    """Where ``cls``'s section comes from, as :func:`documented_by` recorded it."""
+    spec = cls.__dict__.get("__args_doc__")
+    if not isinstance(spec, ArgsDoc):
+        raise TypeError(f"{cls.__qualname__} is not decorated with documented_by")
+    return spec
+
+
+def written_section(cls: type) -> str:
+    """The ``Args:`` section of ``cls``'s docstring as written (cleaned of its indentation); empty if none."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    at = doc.find("\nArgs:\n")
+    return doc[at + 1 :] if at >= 0 else ""
+
+
+def write_section(cls: type) -> bool:
+    """Render ``cls``'s section into its source file, after the docstring's own text; whether the file changed."""
+    path = inspect.getsourcefile(cls)
+    assert path is not None
+    with open(path, encoding="utf-8") as source:
+        text = source.read()
+    node = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    doc = node.body[0]
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+        raise TypeError(f"{cls.__qualname__} has no docstring to write its Args section into")
+    indent = " " * doc.col_offset
+    intro = inspect.cleandoc(doc.value.value).split("\nArgs:\n")[0].rstrip()
+    body = textwrap.indent(f"{intro}\n\n{args_doc(cls).render(cls)}", indent).lstrip()
+    lines = text.splitlines(keepends=True)
+    new = f'{indent}"""{body}\n{indent}"""\n'
+    if new == "".join(lines[doc.lineno - 1 : doc.end_lineno]):
+        return False
+    lines[doc.lineno - 1 : doc.end_lineno] = [new]
+    with open(path, "w", encoding="utf-8") as out:
+        out.write("".join(lines))
+    return True
+
+
+def adapter_classes() -> list[type]:
+    """Every adapter class whose section comes from the engine configs (imports both frameworks' adapters)."""
+    from accelerate_resilience import ResiliencePlugin
+    from lightning_resilience import GoodputMonitor, HealthGuardCallback, PeriodicCheckpoint, ResilientCheckpointIO
+
+    return [ResilientCheckpointIO, HealthGuardCallback, PeriodicCheckpoint, GoodputMonitor, ResiliencePlugin]
+
+
+def main() -> None:
+    """Write every adapter's section into its source: after a config's field texts or an adapter changed."""
+    for cls in adapter_classes():
+        if write_section(cls):
+            print(f"rewrote {cls.__qualname__}'s Args section in {inspect.getsourcefile(cls)}")
+
+
+if __name__ == "__main__":  # python -m resilience.docstrings; as imported, the adapters' decorator is that module's
+    from resilience import docstrings
+
+    docstrings.main()

@@ -38,7 +38,7 @@ STOP_AT = 7
 
 
 def fsdp2_env(tmp: Path, **settings: str) -> dict[str, str]:
-    return job_env(tmp, TRAIN_FSDP2="1", ACCELERATE_RESILIENCE_LOCAL_DIR=str(tmp / "ckpt"), **settings)
+    return job_env(tmp, TRAIN_FSDP2="1", ACCELERATE_RESILIENCE_LOCAL_ROOT=str(tmp / "ckpt"), **settings)
 
 
 def run_one_rank(out: Path, env: dict[str, str]) -> dict[str, Any]:

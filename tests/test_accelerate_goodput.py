@@ -79,7 +79,7 @@ class SlowState:
 def test_a_real_save_reaches_the_tracker_and_the_ledger(tmp_path: Path) -> None:
     tracker = ListTracker()
     job = new_job(tracker=tracker)
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience:
         assert resilience.run_dir == str(tmp_path)  # no project_dir: next to the checkpoints
         train(job, resilience, resilience.resume(), stop_at=3)  # accelerator.save_state() at step 3
         resilience.wait()  # the commit's figures are logged once it is in
@@ -113,7 +113,7 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
     )
     save_s = 3 * SAVE_S  # long enough that the saves counted as waiting could not hide in the loader's own costs
     accelerator.register_for_checkpointing(SlowState(save_s))
-    plugin = ResiliencePlugin(local_dir=str(tmp_path), every_n_steps=5, async_staging=False, data_window_steps=5)
+    plugin = ResiliencePlugin(local_root=str(tmp_path), every_n_steps=5, async_staging=False, data_window_steps=5)
     with attach(accelerator, plugin) as resilience:
         batches = resilience.timed(loader)
         assert len(batches) == len(loader) == 20
@@ -161,12 +161,12 @@ def test_timed_loader_measures_the_wait_leaves_saves_out_and_names_the_cause(
 @pytest.mark.parametrize("stateful", [True, False], ids=["stateful", "plain"])
 def test_timed_loader_keeps_resume_exact(tmp_path: Path, stateful: bool) -> None:
     job = new_job(stateful=stateful)
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path / "reference"))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path / "reference"))) as resilience:
         train(job, resilience, resilience.resume())
         want = final_state(job)
     for stop_at in (13, 0):  # stopped mid-epoch, then resumed through the wrapper (skip_first_batches on it)
         job = new_job(stateful=stateful)
-        with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path / "run"))) as resilience:
+        with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path / "run"))) as resilience:
             point = resilience.resume()
             train(job, resilience, point, stop_at=stop_at, timed=True)
     assert (point.epoch, point.batch_in_epoch, point.global_step) == (1, 3, 13)
@@ -199,7 +199,7 @@ def test_sigkill_and_relaunch_show_in_the_ledger_with_lost_progress(
 ) -> None:
     ckpt = tmp_path / "ckpt"
     settings = {
-        "ACCELERATE_RESILIENCE_LOCAL_DIR": str(ckpt),
+        "ACCELERATE_RESILIENCE_LOCAL_ROOT": str(ckpt),
         "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "4",
         "ACCELERATE_RESILIENCE_GOODPUT_SPAN_S": "0",  # a ledger line per step: the kill point shows exactly
         "TRAIN_STATEFUL": "0",
@@ -270,7 +270,7 @@ def test_auto_interval_is_young_daly_from_the_measured_costs(tmp_path: Path) -> 
     job = new_job(tracker=tracker)
     job.accelerator.register_for_checkpointing(SlowState())
     plugin = ResiliencePlugin(
-        local_dir=str(tmp_path), every_n_steps="auto", mtbf_hours=mtbf_s / 3600, min_interval_s=0.01
+        local_root=str(tmp_path), every_n_steps="auto", mtbf_hours=mtbf_s / 3600, min_interval_s=0.01
     )
     with attach(job.accelerator, plugin) as resilience:
         train(job, resilience, resilience.resume(), sleep_s=0.05)
@@ -302,7 +302,7 @@ def test_auto_interval_is_young_daly_from_the_measured_costs(tmp_path: Path) -> 
 
 def test_auto_interval_takes_the_mtbf_observed_from_the_runs_restarts(tmp_path: Path) -> None:
     def plugin() -> ResiliencePlugin:
-        return ResiliencePlugin(local_dir=str(tmp_path), every_n_steps="auto", min_interval_s=0.01)
+        return ResiliencePlugin(local_root=str(tmp_path), every_n_steps="auto", min_interval_s=0.01)
 
     job = new_job()
     with pytest.raises(RuntimeError, match="lost a node"), attach(job.accelerator, plugin()) as resilience:
@@ -324,7 +324,7 @@ def test_auto_interval_takes_the_mtbf_observed_from_the_runs_restarts(tmp_path: 
 @pytest.mark.slow  # the same plan on every rank is also checked by the session parity test
 def test_auto_interval_is_the_same_on_every_rank(tmp_path: Path) -> None:
     settings = {
-        "ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"),
+        "ACCELERATE_RESILIENCE_LOCAL_ROOT": str(tmp_path / "ckpt"),
         "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "auto",
         "ACCELERATE_RESILIENCE_MIN_INTERVAL_S": "0.01",
         "ACCELERATE_RESILIENCE_MAX_INTERVAL_S": "0.3",  # a few steps of at least 0.1 s

@@ -84,7 +84,7 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
     # 40 samples, batch 4, one process: 10 steps per epoch, 3 epochs.
     tracker = ListTracker()
     job = new_job(tracker=tracker)
-    plugin = ResiliencePlugin(local_dir=str(tmp_path), every_n_steps=5, keep_every=10, async_staging=True)
+    plugin = ResiliencePlugin(local_root=str(tmp_path), every_n_steps=5, keep_every=10, async_staging=True)
     with attach(job.accelerator, plugin) as resilience:
         point = resilience.resume()
         assert not point.restored
@@ -98,7 +98,7 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
 
     # Step 10 ended epoch 0; its automatic save ran as epoch 1's first batch was drawn.
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), async_staging=True)) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path), async_staging=True)) as resilience:
         point = resilience.resume(step=10)
         assert (point.epoch, point.batch_in_epoch, point.global_step, point.batches_to_skip) == (1, 0, 10, 0)
         train(job, resilience, point)
@@ -106,7 +106,7 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
         assert_same_training(final_state(job), want)
 
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience:
         point = resilience.resume()
         assert (point.epoch, point.batch_in_epoch, point.global_step) == (3, 0, 30)
         assert job.loader.iteration == 3
@@ -120,15 +120,15 @@ def test_interval_async_saves_resume_exactly_at_an_epoch_boundary(tmp_path: Path
 )
 def test_stop_and_resume_is_exact(tmp_path: Path, stateful: bool, stop_at: int, epoch: int, batch: int) -> None:
     job = new_job(stateful=stateful)
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path / "reference"))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path / "reference"))) as resilience:
         train(job, resilience, resilience.resume())
         want = final_state(job)
 
     job = new_job(stateful=stateful)
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path / "run"))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path / "run"))) as resilience:
         train(job, resilience, resilience.resume(), stop_at=stop_at)
     job = new_job(stateful=stateful)
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path / "run"))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path / "run"))) as resilience:
         point = resilience.resume()
         assert (point.epoch, point.batch_in_epoch, point.global_step) == (epoch, batch, stop_at)
         assert point.batches_to_skip == (0 if stateful else batch)
@@ -142,9 +142,9 @@ def test_stop_and_resume_is_exact(tmp_path: Path, stateful: bool, stop_at: int, 
 def test_routed_methods_and_their_limits(tmp_path: Path) -> None:
     job = new_job()
     accelerator = job.accelerator
-    resilience = attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "ck")))
+    resilience = attach(accelerator, ResiliencePlugin(local_root=str(tmp_path / "ck")))
     with pytest.raises(ConfigError, match="already has a ResilienceHandle"):
-        attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "other")))
+        attach(accelerator, ResiliencePlugin(local_root=str(tmp_path / "other")))
     with pytest.raises(ConfigError, match="the framework would write this URL as a local folder"):
         accelerator.save_state("s3://bucket/run")
     with pytest.raises(ConfigError, match=r"load_state\('s3://bucket/run'\): .* not this run's durable_url \(None\)"):
@@ -176,12 +176,12 @@ def test_project_configuration_gives_defaults_and_numbering_survives_restarts(tm
 
 def test_resume_into_a_different_job_says_what_differs(tmp_path: Path) -> None:
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience:
         train(job, resilience, resilience.resume(), stop_at=2)
     job = new_job()
     job.accelerator.register_for_checkpointing(torch.optim.SGD([torch.zeros(1)], lr=0.1))
     with (
-        attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience,
+        attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience,
         pytest.raises(CheckpointError, match="holds 1 objects registered for checkpointing but this run registered 2"),
     ):
         resilience.resume()
@@ -190,7 +190,7 @@ def test_resume_into_a_different_job_says_what_differs(tmp_path: Path) -> None:
 def test_a_small_model_in_one_process_persists_in_threads_by_default(tmp_path: Path) -> None:
     """Its helper process would cost every run an interpreter importing torch, which the first commit waits for."""
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience:
         assert resilience.manager.config.persist == "thread"
         train(job, resilience, resilience.resume(), stop_at=2)
     assert committed_steps(tmp_path) == [2]
@@ -205,7 +205,7 @@ def test_load_state_right_after_save_state_restores_what_was_saved(
     monkeypatch.setenv("TEST_HELPER_FAULT", "slow_write")
     monkeypatch.setenv("TEST_SLOW_WRITE_S", "1.5")
     job = new_job()
-    with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="process")) as resilience:
+    with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path), persist="process")) as resilience:
         train(job, resilience, resilience.resume(), stop_at=2)  # ends with accelerator.save_state()
         saved = final_state(job)
         assert committed_steps(tmp_path) == [], "the save must still be in flight for this test to mean anything"
@@ -226,7 +226,7 @@ def test_a_fault_drill_without_health_says_so_instead_of_doing_nothing(
     """A SIGTERM drill that ran to the end with exit 0 made a user believe preemption handling worked."""
     monkeypatch.setenv("RESILIENCE_INJECT", "signal=SIGTERM@step=2")
     job = new_job()
-    resilience = attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path), persist="thread"))
+    resilience = attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path), persist="thread"))
     with pytest.raises(ConfigError, match=r"RESILIENCE_INJECT=.* this run does not watch health.*HEALTH=1"):
         resilience.save()
     resilience.close()

@@ -90,7 +90,7 @@ def run_job(out: Path, env: dict[str, str], *flags: str) -> dict[int, dict[str, 
 
 def kill_once_committed(out: Path, env: dict[str, str], step: int) -> int:
     """Launch, SIGKILL the whole job once a checkpoint of ``step`` or later is committed; the newest step then."""
-    root = Path(env["ACCELERATE_RESILIENCE_LOCAL_DIR"])
+    root = Path(env["ACCELERATE_RESILIENCE_LOCAL_ROOT"])
     with running(out, env) as proc:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while not any(saved >= step for saved in committed_steps(root)):
@@ -123,7 +123,7 @@ def assert_same_training(got: dict[int, dict[str, Any]], want: dict[int, dict[st
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     """One uninterrupted run of all epochs."""
     tmp = tmp_path_factory.mktemp("reference")
-    return run_job(tmp / "out", job_env(tmp, ACCELERATE_RESILIENCE_LOCAL_DIR=str(tmp / "ckpt")))
+    return run_job(tmp / "out", job_env(tmp, ACCELERATE_RESILIENCE_LOCAL_ROOT=str(tmp / "ckpt")))
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def stopped(tmp_path_factory: pytest.TempPathFactory, bucket: dict[str, Any]) ->
     tmp = tmp_path_factory.mktemp("stopped")
     settings = {
         **S3_ENV,
-        "ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp / "ckpt"),
+        "ACCELERATE_RESILIENCE_LOCAL_ROOT": str(tmp / "ckpt"),
         "ACCELERATE_RESILIENCE_DURABLE_URL": bucket["url"],
         "ACCELERATE_RESILIENCE_STORAGE_OPTIONS": json.dumps(bucket["options"]),
         "TRAIN_STOP_AT": str(STOP_AT),
@@ -173,7 +173,7 @@ def test_resume_from_s3_on_an_empty_local_disk(
     assert bucket["fs"].exists(f"{bucket['url']}/step-{STOP_AT}/manifest.json")
     tmp: Path = stopped["tmp"]
     settings = {k: v for k, v in stopped["settings"].items() if k != "TRAIN_STOP_AT"}
-    settings["ACCELERATE_RESILIENCE_LOCAL_DIR"] = str(tmp / "empty-local")
+    settings["ACCELERATE_RESILIENCE_LOCAL_ROOT"] = str(tmp / "empty-local")
     got = run_job(tmp / "from-s3", job_env(tmp, **settings))
     point = got[1]["resume"]
     assert (point["epoch"], point["batch_in_epoch"], point["global_step"]) == (1, 2, STOP_AT)
@@ -187,7 +187,7 @@ def test_kill_9_mid_run_then_relaunch_resumes_from_newest_commit(
 ) -> None:
     # A plain DataLoader this time: the resumed epoch is skipped into with accelerator.skip_first_batches.
     settings = {
-        "ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"),
+        "ACCELERATE_RESILIENCE_LOCAL_ROOT": str(tmp_path / "ckpt"),
         "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "2",
         "TRAIN_STATEFUL": "0",
     }
@@ -206,7 +206,7 @@ def test_a_rank_killed_mid_step_is_saved_around_by_the_other_and_the_relaunch_is
 ) -> None:
     """kill -9 of rank 1 at the start of step 8 under ``accelerate launch``: rank 0's gradient all-reduce fails, its
     survivor save commits step 7 (interval saves were every 4), it exits 75, and the relaunch is bit-exact."""
-    settings = {"ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"), "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "4"}
+    settings = {"ACCELERATE_RESILIENCE_LOCAL_ROOT": str(tmp_path / "ckpt"), "ACCELERATE_RESILIENCE_EVERY_N_STEPS": "4"}
     with running(tmp_path / "killed", job_env(tmp_path, **settings, TRAIN_VICTIM="1:7")) as proc:
         proc.wait(timeout=LAUNCH_TIMEOUT_S)
     log = (tmp_path / "killed" / "launch.log").read_text()
@@ -223,7 +223,7 @@ def test_preemption_saves_on_every_rank_and_an_elastic_restart_resumes(
     tmp_path: Path, reference: dict[int, dict[str, Any]]
 ) -> None:
     settings = {
-        "ACCELERATE_RESILIENCE_LOCAL_DIR": str(tmp_path / "ckpt"),
+        "ACCELERATE_RESILIENCE_LOCAL_ROOT": str(tmp_path / "ckpt"),
         "ACCELERATE_RESILIENCE_HEALTH": "1",
         "TRAIN_PREEMPT_AT": "9",  # SIGTERM to rank 1 in the first attempt; no save is due at step 9 otherwise
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # restarts on torch 2.13 are flaky without it

@@ -19,7 +19,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_fields_default_from_environment(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setenv("ACCELERATE_RESILIENCE_LOCAL_DIR", "/fast/ckpt")
+    clean_env.setenv("ACCELERATE_RESILIENCE_LOCAL_ROOT", "/fast/ckpt")
     clean_env.setenv("ACCELERATE_RESILIENCE_DURABLE_URL", "s3://bucket/run")
     clean_env.setenv("ACCELERATE_RESILIENCE_STORAGE_OPTIONS", '{"endpoint_url": "http://127.0.0.1:9000"}')
     clean_env.setenv("ACCELERATE_RESILIENCE_EVERY_N_STEPS", "50")
@@ -29,7 +29,7 @@ def test_fields_default_from_environment(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("ACCELERATE_RESILIENCE_HEALTH", "1")
     clean_env.setenv("ACCELERATE_RESILIENCE_WHEN_BUSY", "skip")
     plugin = ResiliencePlugin()
-    assert plugin.local_dir == "/fast/ckpt"
+    assert plugin.local_root == "/fast/ckpt"
     assert plugin.durable_url == "s3://bucket/run"
     assert plugin.storage_options == {"endpoint_url": "http://127.0.0.1:9000"}
     assert (plugin.every_n_steps, plugin.keep_last, plugin.keep_every) == (50, 4, 1000)
@@ -46,7 +46,7 @@ def test_fields_default_from_environment(clean_env: pytest.MonkeyPatch) -> None:
 
 def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("ACCELERATE_RESILIENCE_KEEP_LAST", "7")
-    plugin = ResiliencePlugin(local_dir="ckpt", keep_last=2)
+    plugin = ResiliencePlugin(local_root="ckpt", keep_last=2)
     assert plugin.keep_last == 2 and plugin.from_env == {}
     assert (plugin.durable_url, plugin.every_n_steps, plugin.async_staging, plugin.health, plugin.when_busy) == (
         None,
@@ -59,16 +59,16 @@ def test_arguments_beat_environment_and_defaults_apply(clean_env: pytest.MonkeyP
 
 
 def test_persist_auto_is_what_the_job_comes_to_and_a_choice_stands(clean_env: pytest.MonkeyPatch) -> None:
-    plugin = ResiliencePlugin(local_dir="ckpt")
+    plugin = ResiliencePlugin(local_root="ckpt")
     assert plugin.persist == "auto"
     assert plugin.checkpoint_config(auto="thread").persist == "thread"
     assert plugin.checkpoint_config().persist == "process"  # until the models are known
     clean_env.setenv("ACCELERATE_RESILIENCE_PERSIST", "process")
-    assert ResiliencePlugin(local_dir="ckpt").checkpoint_config(auto="thread").persist == "process"
+    assert ResiliencePlugin(local_root="ckpt").checkpoint_config(auto="thread").persist == "process"
 
 
 def test_goodput_and_auto_interval_fields_from_environment(clean_env: pytest.MonkeyPatch) -> None:
-    plugin = ResiliencePlugin(local_dir="ckpt")
+    plugin = ResiliencePlugin(local_root="ckpt")
     assert (plugin.goodput, plugin.run_dir, plugin.goodput_span_s) == (True, None, 10.0)
     assert (plugin.data_window_steps, plugin.starvation_threshold) == (50, 0.05)
     assert (plugin.mtbf_hours, plugin.min_interval_s, plugin.max_interval_s) == (None, 60.0, 21600.0)
@@ -84,7 +84,7 @@ def test_goodput_and_auto_interval_fields_from_environment(clean_env: pytest.Mon
         "STARVATION_THRESHOLD": "0.1",
     }.items():
         clean_env.setenv(f"ACCELERATE_RESILIENCE_{name}", value)
-    plugin = ResiliencePlugin(local_dir="ckpt")
+    plugin = ResiliencePlugin(local_root="ckpt")
     assert (plugin.every_n_steps, plugin.mtbf_hours, plugin.min_interval_s, plugin.max_interval_s) == (
         "auto",
         12.5,
@@ -126,22 +126,33 @@ def test_bad_environment_values_name_the_variable(
 ) -> None:
     clean_env.setenv(f"ACCELERATE_RESILIENCE_{variable}", value)
     with pytest.raises(ConfigError) as raised:
-        ResiliencePlugin(local_dir="ckpt")
+        ResiliencePlugin(local_root="ckpt")
     assert expected in str(raised.value)
 
 
 def test_bad_arguments_are_rejected_when_made() -> None:
     with pytest.raises(ConfigError, match=r"verify='quick' is not one of 'auto', 'size', 'full'$"):
-        ResiliencePlugin(local_dir="ckpt", verify="quick")
+        ResiliencePlugin(local_root="ckpt", verify="quick")
     with pytest.raises(ConfigError, match="storage_options must be a dict"):
-        ResiliencePlugin(local_dir="ckpt", storage_options="endpoint=x")  # type: ignore[arg-type]
+        ResiliencePlugin(local_root="ckpt", storage_options="endpoint=x")  # type: ignore[arg-type]
 
 
-def test_missing_local_dir_says_how_to_give_one() -> None:
+def test_the_old_name_local_dir_still_works_with_a_warning(clean_env: pytest.MonkeyPatch) -> None:
+    """Job scripts written when the plugin called local_root local_dir (keyword or variable) keep working."""
+    with pytest.warns(FutureWarning, match="local_dir is now local_root"):
+        assert ResiliencePlugin(local_dir="ckpt").checkpoint_config().local_root == "ckpt"
+    clean_env.setenv("ACCELERATE_RESILIENCE_LOCAL_DIR", "/fast/old")
+    with pytest.warns(FutureWarning, match="ACCELERATE_RESILIENCE_LOCAL_DIR is now ACCELERATE_RESILIENCE_LOCAL_ROOT"):
+        assert ResiliencePlugin().local_root == "/fast/old"
+    with pytest.raises(ConfigError, match="local_dir is the old name of local_root; give only local_root"):
+        ResiliencePlugin(local_root="/fast/new", local_dir="/fast/other")
+
+
+def test_missing_local_root_says_how_to_give_one() -> None:
     plugin = ResiliencePlugin()
-    with pytest.raises(ConfigError, match="set ACCELERATE_RESILIENCE_LOCAL_DIR, or give the Accelerator a Project"):
+    with pytest.raises(ConfigError, match="set ACCELERATE_RESILIENCE_LOCAL_ROOT, or give the Accelerator a Project"):
         plugin.checkpoint_config()
-    assert plugin.checkpoint_config(local_dir="/proj/resilience", keep_last=5).keep_last == 5
+    assert plugin.checkpoint_config(local_root="/proj/resilience", keep_last=5).keep_last == 5
 
 
 def test_a_gpu_fault_drill_turns_nvml_on_also_without_cuda(clean_env: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,6 @@
-"""The adapters' ``Args:`` sections, rendered from the engine configs (resilience.docstrings), document every
-argument, and the readers of ``__doc__`` (jsonargparse, so LightningCLI's ``--help``) see them."""
+"""The adapters' ``Args:`` sections, written in their sources as rendered from the engine configs
+(resilience.docstrings), document every argument, and the readers of ``__doc__`` (jsonargparse, so LightningCLI's
+``--help``) see them."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from lightning_resilience import (
     ResilientCheckpointIO,
 )
 from resilience.config import CheckpointConfig
-from resilience.docstrings import field_docs, parameters, render_args
+from resilience.docstrings import adapter_classes, args_doc, field_docs, parameters, render_args, written_section
+from resilience.recovery.peer_loss import PeerLossConfig
 
 # The strategies take Lightning's own strategies' arguments (documented by Lightning), and ResilienceHandle is
 # made by attach(); these are the classes users configure the pack with.
@@ -32,12 +34,22 @@ def test_every_argument_is_documented(cls: type) -> None:
     assert parameters(cls) and not missing, f"{cls.__name__}.__doc__ does not document {missing}"
 
 
+@pytest.mark.parametrize("cls", adapter_classes(), ids=lambda cls: cls.__name__)
+def test_the_written_section_is_the_rendered_one(cls: type) -> None:
+    rendered = args_doc(cls).render(cls)
+    assert written_section(cls) == rendered, (
+        f"{cls.__name__}'s Args section differs from the engine configs' texts: run python -m resilience.docstrings"
+    )
+
+
 def test_texts_come_from_the_engine_and_the_adapter() -> None:
     keep_last = field_docs(CheckpointConfig)["keep_last"]
     assert field_docs(ResilientCheckpointIO)["keep_last"] == keep_last
     assert field_docs(ResiliencePlugin)["keep_last"].startswith(keep_last)  # then the plugin's own default
-    # a renamed field: the engine's text, calling the field by the plugin's name
-    assert "``<local_dir>/step-<N>/``" in field_docs(ResiliencePlugin)["local_dir"]
+    # both adapters take the engine's name for the same setting, with the engine's text
+    assert field_docs(ResiliencePlugin)["local_root"].startswith(field_docs(ResilientCheckpointIO)["local_root"][:80])
+    # a renamed field: the engine's text, under the plugin's name
+    assert field_docs(ResiliencePlugin)["survivor_saves"].startswith(field_docs(PeerLossConfig)["enabled"])
     assert "Default: 25." in field_docs(ResiliencePlugin)["grace_s"]
     assert "Default:" not in field_docs(HealthGuardCallback)["grace_s"]  # its signature shows it
 

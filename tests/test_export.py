@@ -78,7 +78,7 @@ def accelerate_job(tmp_path: Path) -> Iterator[tuple[Job, Path]]:
         cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)
     )
     job = build_job(accelerator)
-    with attach(accelerator, ResiliencePlugin(local_dir=str(tmp_path / "ckpt"), goodput=False)) as resilience:
+    with attach(accelerator, ResiliencePlugin(local_root=str(tmp_path / "ckpt"), goodput=False)) as resilience:
         train(job, resilience, resilience.resume(), stop_at=5)
     yield job, tmp_path / "ckpt"
     AcceleratorState._reset_state(True)

@@ -334,7 +334,7 @@ def test_a_preemption_of_every_rank_stops_the_job_and_the_same_command_resumes(t
 def accelerate(out: Path, **settings: str) -> tuple[int, str]:
     out.mkdir(parents=True)
     env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
-    env.update(HF_HOME=str(out / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_DIR=str(out / "ckpt"), **settings)
+    env.update(HF_HOME=str(out / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_ROOT=str(out / "ckpt"), **settings)
     return launch(out / "launch.log", 2, ACCELERATE, [str(out)], env=env)
 
 
@@ -381,7 +381,7 @@ def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_las
         env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
         env.update(
             HF_HOME=str(out / "hf-home"),
-            ACCELERATE_RESILIENCE_LOCAL_DIR=str(out / f"node-{node}"),
+            ACCELERATE_RESILIENCE_LOCAL_ROOT=str(out / f"node-{node}"),
             ACCELERATE_RESILIENCE_DURABLE_URL=(out / "durable").as_uri(),
             ACCELERATE_RESILIENCE_EVERY_N_STEPS="4",
             TRAIN_VICTIM="1:7",

@@ -164,7 +164,7 @@ def start_accelerate(tmp: Path, root: Path, **settings: str) -> tuple[subprocess
     out = tmp / "out"
     out.mkdir(exist_ok=True)
     env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
-    env.update(HF_HOME=str(tmp / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_DIR=str(root), **settings)
+    env.update(HF_HOME=str(tmp / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_ROOT=str(root), **settings)
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     command += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     command += ["--main_process_port", str(free_port()), str(ACCELERATE), str(out)]
@@ -193,7 +193,7 @@ def test_an_accelerate_script_run_bare_commits_the_agreed_step_when_its_group_is
     env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
     env.update(
         HF_HOME=str(tmp_path / "hf-home"),
-        ACCELERATE_RESILIENCE_LOCAL_DIR=str(root),
+        ACCELERATE_RESILIENCE_LOCAL_ROOT=str(root),
         ACCELERATE_RESILIENCE_HEALTH="1",
         ACCELERATE_RESILIENCE_EVERY_N_STEPS="3",
         ACCELERATE_RESILIENCE_PERSIST="process",  # its small model would persist in threads

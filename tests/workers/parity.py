@@ -77,7 +77,7 @@ def accelerate(root: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data(), batch_size=4))
     plugin = ResiliencePlugin(
-        local_dir=f"{root}/ckpt", run_dir=root, every_n_steps=EVERY, health=True, goodput_span_s=0, grace_s=30
+        local_root=f"{root}/ckpt", run_dir=root, every_n_steps=EVERY, health=True, goodput_span_s=0, grace_s=30
     )
     resilience = attach(accelerator, plugin)
     point = resilience.resume()
