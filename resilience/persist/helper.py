@@ -42,6 +42,7 @@ from resilience.checkpoint.staging import SegmentRef, segment_of
 from resilience.config import CheckpointConfig
 from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
+from resilience.persist import PersistPipeline
 from resilience.persist.fork_server import CALL, CONNECT_TIMEOUT_S, PIPELINE, Call, ForkServer, Inherited
 from resilience.persist.helper_process import unpickled_error
 from resilience.persist.worker import Worker
@@ -64,9 +65,9 @@ class HelperSettings(Inherited):
     generation: int
 
 
-class HelperPipeline:
-    """The training process's side of a rank's helper, a :class:`~resilience.persist.PersistPipeline` as the
-    threads of :class:`~resilience.persist.pipeline.Pipeline` are; besides, it can be killed, and says if it died.
+class HelperPipeline(PersistPipeline):
+    """The training process's side of a rank's helper process, which runs the pipeline there; unlike the threads
+    of :class:`~resilience.persist.pipeline.Pipeline`, it can be killed, and says if it died.
 
     Args:
         settings: For the helper (config, topology, the helpers' store).

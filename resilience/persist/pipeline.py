@@ -28,6 +28,7 @@ from resilience.checkpoint.staging import StagingJob
 from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
+from resilience.persist import PersistPipeline
 from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, versions
 from resilience.persist.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
 from resilience.persist.worker import Worker
@@ -66,18 +67,18 @@ class WriteSpec:
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
     record_crcs: bool = False  # the shards' zip records get CRC-32s (see CheckpointManager.save)
 
-    def spec(self) -> WriteSpec:
-        """This save's description alone (of a :class:`WriteJob`: without what only its own process holds)."""
-        return WriteSpec(**_description(self))
-
 
 @dataclass(kw_only=True)
 class WriteJob(WriteSpec):
-    """One save for a pipeline: its description, with what lives only in the process that runs it beside it: the
+    """One save for a pipeline: its description, and beside it what lives only in the process that runs it: the
     staging that fills its tensors, and the handle whose futures it resolves."""
 
     staging: StagingJob
     handle: SaveHandle
+
+    def spec(self) -> WriteSpec:
+        """This save's description alone, as a helper process is sent it."""
+        return WriteSpec(**_description(self))
 
     @classmethod
     def of(cls, spec: WriteSpec, staging: StagingJob, handle: SaveHandle) -> WriteJob:
@@ -97,9 +98,9 @@ class UploadJob:
     handle: SaveHandle
 
 
-class Pipeline:
-    """Owns the writer and uploader threads of one rank: a :class:`~resilience.persist.PersistPipeline` run in the
-    training process, or in its helper process (:mod:`resilience.persist.helper_process`).
+class Pipeline(PersistPipeline):
+    """Owns the writer and uploader threads of one rank, in the training process or in its helper process
+    (:mod:`resilience.persist.helper_process`).
 
     Args:
         committed: Called with a step once it is committed locally (the manager's record of what exists).
