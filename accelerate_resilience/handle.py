@@ -33,7 +33,7 @@ from resilience.errors import CheckpointError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
 from resilience.logs import print_to_stderr, rank_zero
-from resilience.persist.helper import stop_early_server
+from resilience.persist.fork_server import stop_early_server
 from resilience.recovery import inplace
 from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import SaveState, TrainingSession

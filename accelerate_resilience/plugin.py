@@ -16,7 +16,7 @@ from resilience.config import CheckpointConfig, Persist, persist_until_known
 from resilience.docstrings import documented_by
 from resilience.errors import ConfigError
 from resilience.health import HealthConfig
-from resilience.persist.helper import start_server_early
+from resilience.persist.fork_server import start_server_early
 from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import GoodputConfig, IntervalConfig
 

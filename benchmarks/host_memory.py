@@ -39,7 +39,7 @@ def persistent_helpers(owner: str) -> set[int]:
     are its children) or "dcp" (DCP's checkpoint process); none for any other."""
     pids = set()
     if owner == "ours":
-        from resilience.persist.helper import ForkServer
+        from resilience.persist.fork_server import ForkServer
 
         server = ForkServer._instance
         if server is not None and server.process.poll() is None:

@@ -46,7 +46,7 @@ from resilience.formats import crc
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.formats.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.logs import route_through
-from resilience.persist.helper import start_server_early, stop_early_server
+from resilience.persist.fork_server import start_server_early, stop_early_server
 from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import TrainingSession
 from resilience.storage.tiers import LocalTier

@@ -59,7 +59,8 @@ def test_the_fork_server_ends_with_its_training_process_and_removes_its_folder()
     # The server skips the interpreter's teardown at its end (os._exit): what it has to do, it does before.
     script = (
         "import os\n"
-        "from resilience.persist.helper import ForkServer, call_in_helper\n"
+        "from resilience.persist.fork_server import ForkServer\n"
+        "from resilience.persist.helper import call_in_helper\n"
         "call_in_helper(os.getpid)\n"  # the server is up, and has forked a helper
         "print(ForkServer.get().process.pid, ForkServer.get().folder)\n"
     )
@@ -74,7 +75,8 @@ def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> N
     # In a process of its own: this one's server may be another test's.
     script = (
         "import os\n"
-        "from resilience.persist.helper import ForkServer, call_in_helper, start_server_early, stop_early_server\n"
+        "from resilience.persist.fork_server import ForkServer, start_server_early, stop_early_server\n"
+        "from resilience.persist.helper import call_in_helper\n"
         "start_server_early()\n"
         "early = ForkServer.get(early=True)\n"
         "stop_early_server()\n"  # the engine persists in threads: nothing was forked from it

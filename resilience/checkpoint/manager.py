@@ -49,6 +49,7 @@ from resilience.errors import (
     describe,
 )
 from resilience.goodput.ledger import LOAD_PARTS
+from resilience.persist import PersistPipeline
 from resilience.persist.helper import HelperPipeline, HelperSettings, helper_log_level, helper_preload, start_store
 from resilience.persist.pipeline import Pipeline, WriteJob, remove_checkpoint
 from resilience.progress import still_going
@@ -145,14 +146,14 @@ class CheckpointManager:
         self._helper_generation = 0
         self._resting = False  # the helper was ended by rest(); the next save starts a new one
         self._helper_store: Any = None
-        self.pipeline: Pipeline | HelperPipeline = self._start_pipeline()
+        self.pipeline: PersistPipeline = self._start_pipeline()
         self._closed = False
         _OPEN.add(self)
         _register_exit_hook()
 
     # ---- start-up ----------------------------------------------------------------------------------------------
 
-    def _start_pipeline(self) -> Pipeline | HelperPipeline:
+    def _start_pipeline(self) -> PersistPipeline:
         """The background half of saves: a helper process per rank (collective: they form a group), or threads."""
         if self.config.persist == "thread":
             return Pipeline(

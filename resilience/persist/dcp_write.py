@@ -32,8 +32,8 @@ from resilience.persist.hashed_fs import HashedFileSystem
 
 
 class PiecePlanner(DefaultSavePlanner):
-    """DCP's planner, reading a :class:`~resilience.persist.helper.Piece` (a DTensor shard without its mesh) as its
-    local tensor; its write items came with it.
+    """DCP's planner, reading a :class:`~resilience.persist.helper_process.Piece` (a DTensor shard without its
+    mesh) as its local tensor; its write items came with it.
 
     With ``cache_key``, DCP's plan caching is on under that key: a rank whose local plan is the one of its last
     save sends an empty plan, and the coordinator reuses the global plan and metadata it made then, so the

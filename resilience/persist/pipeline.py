@@ -17,7 +17,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -28,6 +28,7 @@ from resilience.checkpoint.staging import StagingJob
 from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
+from resilience.persist import PersistPipeline
 from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, versions
 from resilience.persist.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
 from resilience.persist.worker import Worker
@@ -51,19 +52,43 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class WriteJob:
+class WriteSpec:
+    """One save as it crosses to a helper process: everything about it but its tensors, all picklable. Declared
+    once, for both pipelines: a field added here reaches the helper with no copying by hand."""
+
     step: int
-    staging: StagingJob
     skeleton: Any  # on the leader only: None elsewhere
     rank_skeleton: Any
     pickled: list[str]
     extra: dict[str, Any]
-    handle: SaveHandle
     block_s: float
     run_id: str | None = None
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
     record_crcs: bool = False  # the shards' zip records get CRC-32s (see CheckpointManager.save)
+
+
+@dataclass(kw_only=True)
+class WriteJob(WriteSpec):
+    """One save for a pipeline: its description, and beside it what lives only in the process that runs it: the
+    staging that fills its tensors, and the handle whose futures it resolves."""
+
+    staging: StagingJob
+    handle: SaveHandle
+
+    def spec(self) -> WriteSpec:
+        """This save's description alone, as a helper process is sent it."""
+        return WriteSpec(**_description(self))
+
+    @classmethod
+    def of(cls, spec: WriteSpec, staging: StagingJob, handle: SaveHandle) -> WriteJob:
+        """A job for a description received from another process, with this process's staging and handle."""
+        return cls(**_description(spec), staging=staging, handle=handle)
+
+
+def _description(spec: WriteSpec) -> dict[str, Any]:
+    """A description's fields by name, shallow (``dataclasses.asdict`` would copy the skeletons)."""
+    return {f.name: getattr(spec, f.name) for f in fields(WriteSpec)}
 
 
 @dataclass
@@ -73,8 +98,9 @@ class UploadJob:
     handle: SaveHandle
 
 
-class Pipeline:
-    """Owns the writer and uploader threads of one rank.
+class Pipeline(PersistPipeline):
+    """Owns the writer and uploader threads of one rank, in the training process or in its helper process
+    (:mod:`resilience.persist.helper_process`).
 
     Args:
         committed: Called with a step once it is committed locally (the manager's record of what exists).

@@ -1,0 +1,283 @@
+"""Helper processes forked in milliseconds: a small server process of ours that has imported torch and the engine
+once forks one per request, instead of the seconds an interpreter with torch takes to start. (multiprocessing's
+own forkserver would import the user's training script again in every helper, running any of its top-level code
+a second time.) A request is a connection; the helper forked for it keeps it as its line to the training process.
+What it runs is told by the first message: a :class:`Call`, or a persist pipeline's settings
+(:func:`~resilience.persist.helper_process.serve_pipeline`).
+
+Schedulers stop a job by signalling every process of it: SLURM each process of the job step, torchrun and
+``accelerate launch`` each worker's process group, Kubernetes the whole container at the end of its grace, and a
+terminal's Ctrl-C the foreground process group. The helpers hold the very saves the training process makes when
+it is told to stop, so they ignore those signals (:data:`STOP_SIGNALS`, from before their interpreter starts) and
+end with their training process instead: a helper exits when its connection closes (or, for a call, when the
+keep-alive pipe does), the fork server when its keep-alive pipe does, and a SIGKILL at the end of the grace ends
+them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+import torch
+
+from resilience.errors import CheckpointError, describe
+from resilience.health.signals import STOP_SIGNALS
+from resilience.persist.helper_process import pickled_error, serve_pipeline
+
+# What a client sends the fork server first: which kind of helper it connects to.
+PIPELINE, CALL = b"pipeline", b"call"
+
+CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inherited:
+    """What a forked helper takes on from its training process as of its request (the fork server's own are from
+    its start): environment, pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
+
+    log_level: int
+    preload: tuple[str, ...] = ()
+    environ: dict[str, str] = field(default_factory=dict)
+    parent_pid: int = 0
+
+
+@dataclass(frozen=True)
+class Call(Inherited):
+    """One function to run in a helper forked for it: a module-level function with picklable arguments."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class ForkServer:
+    """One per training process: a child interpreter with the engine imported, forking a helper per request.
+
+    It listens on a Unix socket in a private temporary folder; each accepted connection becomes the
+    connection between the training process and the helper forked for it. It exits with the training process
+    (it watches a pipe only the training process holds open).
+    """
+
+    _instance: ForkServer | None = None
+    _guard = threading.Lock()
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="resilience-helpers-")
+        self.address = os.path.join(self.folder, "socket")
+        self.authkey = os.urandom(16)
+        read, self._keepalive = os.pipe()
+        env = {**os.environ, "RESILIENCE_HELPER_AUTHKEY": self.authkey.hex()}
+        # Blocked in this thread while the server is started: the child inherits the mask across exec, so a stop
+        # signal that comes while its interpreter imports torch waits, and is ignored once the server is up
+        # (_ignore_stop_signals). This thread gets it again after the start, or another thread takes it meanwhile.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "resilience.persist.fork_server", self.address, str(read)],
+                pass_fds=(read,),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(read)
+        self.wanted = False  # by more than start_server_early(): a helper was or is being forked from it
+
+    @classmethod
+    def get(cls, *, early: bool = False) -> ForkServer:
+        with cls._guard:
+            if cls._instance is None or cls._instance.process.poll() is not None:
+                cls._instance = cls()
+            cls._instance.wanted |= not early
+            return cls._instance
+
+    def stop(self) -> None:
+        """End the server at once, while it has forked nothing (it may still be importing torch)."""
+        self.process.kill()
+        self.process.wait()
+        os.close(self._keepalive)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+        """A connection to a newly forked helper of ``kind`` (:data:`PIPELINE` or :data:`CALL`); waits for the
+        server to be up, the first time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.process.poll() is not None:
+                    raise CheckpointError(
+                        f"the checkpoint helper server exited with code {self.process.returncode} before it "
+                        "started; see its output above, or set persist='thread'"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"the checkpoint helper server did not start within {timeout_s:.0f} s"
+                    ) from None
+                time.sleep(0.02)
+                continue
+            try:
+                conn.send_bytes(kind)
+            except BaseException:
+                conn.close()
+                raise
+            return conn
+
+
+def start_server_early() -> None:
+    """Start this process's fork server now, when the settings are made: its interpreter takes seconds to import
+    torch, and the first save would wait for it, stalling training where a name is written at once (which waits
+    for its commit). By the first save, seconds later (the framework's set-up, a resume), it is up."""
+    ForkServer.get(early=True)
+
+
+def stop_early_server() -> None:
+    """Stop the fork server :func:`start_server_early` started if nothing has wanted a helper from it since: the
+    engine persists in threads after all (``persist="auto"`` and a small model), and the server's interpreter
+    would go on importing torch for a second or two on the cores training uses."""
+    with ForkServer._guard:
+        server = ForkServer._instance
+        if server is None or server.wanted:
+            return
+        ForkServer._instance = None
+    server.stop()
+
+
+# ---- the server process ------------------------------------------------------------------------------------------
+
+
+def _ignore_stop_signals() -> None:
+    """The server and every helper forked from it ignore :data:`STOP_SIGNALS` (dispositions survive a fork):
+    a stop of the job must not cut short the saves they hold. Blocked since the server's start, the ones that
+    came meanwhile are dropped as they are unblocked."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _serve(address: str, keepalive_fd: int) -> None:
+    """The fork server: fork a helper for every connection, until the training process goes away."""
+    _ignore_stop_signals()
+    warmed = False
+    listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
+    selector = selectors.DefaultSelector()
+    selector.register(listener._listener._socket, selectors.EVENT_READ, "accept")  # type: ignore[attr-defined]
+    selector.register(keepalive_fd, selectors.EVENT_READ, "parent")
+    signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    while True:
+        for key, _ in selector.select():
+            if key.data == "parent":  # EOF: the training process is gone; its helpers see it themselves
+                listener.close()
+                shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # the socket's private folder
+                return
+            conn = listener.accept()
+            try:
+                kind = conn.recv_bytes(16)  # sent first by both clients, before what the helper reads
+            except (EOFError, OSError):
+                conn.close()
+                continue
+            if kind == CALL and not warmed:
+                _import_once_for_all_helpers()
+                warmed = True
+            if os.fork() == 0:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                listener.close()
+                _helper(conn, kind, keepalive_fd)
+            conn.close()  # the child holds it now: its death is an EOF the training process sees
+
+
+def _helper(conn: Connection, kind: bytes, keepalive_fd: int) -> None:
+    """A forked helper: it runs what its first message says, and exits."""
+    if kind == CALL:
+        _exit_with_training_process(keepalive_fd)
+    else:  # a persist helper reads its connection all the time: its EOF says the same
+        os.close(keepalive_fd)
+    try:
+        first = conn.recv()
+        _become(first)
+        if isinstance(first, Call):
+            _call_main(conn, first)
+        else:
+            serve_pipeline(conn, first)
+    finally:
+        os._exit(0)
+
+
+def _import_once_for_all_helpers() -> None:
+    """Import in the server, at its first :class:`Call`, what a helper forked for a call would otherwise import
+    again every time: a name's writer makes placeholder tensors, and torch's fake-tensor mode imports
+    ``torch._dynamo`` the first time one is made (0.5-0.9 s of CPU on a 2-core VM, out of a 1.6 GB name's
+    2.5 s). Not at the server's start: most processes never write a name, and would pay it at every launch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode()
+
+
+def _exit_with_training_process(keepalive_fd: int) -> None:
+    """A helper forked for a call exits as soon as its training process is gone, mid-call or not, as the
+    training process's own threads would. What it writes is whole or absent either way; and a name an orphan
+    went on writing could land after a relaunch wrote the same path anew (``last.ckpt`` back to an older
+    step). The relaunch writes again what was cut short (:meth:`~resilience.formats.names.NameWriter.repair`)."""
+
+    def watch() -> None:
+        while os.read(keepalive_fd, 64):  # nothing is ever written: this returns b"" when the writer is gone
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="resilience-parent-watch", daemon=True).start()
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def _become(origin: Inherited) -> None:
+    """A forked helper takes on its training process's settings."""
+    os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
+    os.environ.update(origin.environ, RESILIENCE_HELPER_PARENT_PID=str(origin.parent_pid))
+    logging.basicConfig(level=origin.log_level, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    for module in origin.preload:  # instrumentation of the helper: tracing, profiling, fault drills
+        importlib.import_module(module)
+
+
+def _call_main(conn: Connection, call: Call) -> None:
+    """Run one :class:`Call` and send back its result or its exception."""
+    try:
+        result = ("ok", call.function(*call.args, **call.kwargs))
+    except BaseException as exc:
+        result = ("error", (pickled_error(exc), describe(exc)))
+    conn.send(result)
+
+
+if __name__ == "__main__":
+    # The imported module's server, not this ``__main__`` copy's: what the training process sends is pickled
+    # as resilience.persist.fork_server's classes, and a helper tells a Call from a pipeline's settings by class.
+    import resilience.persist.fork_server
+
+    resilience.persist.fork_server._serve(sys.argv[1], int(sys.argv[2]))
+    # Its training process is gone. The interpreter's teardown would collect a heap with torch in it (0.4 s of
+    # CPU here) while the server still holds the training process's stdout and stderr: whoever reads them to
+    # the end (`| tee`, a CI runner, subprocess.run(capture_output=True)) would wait for it. Nothing of the
+    # server's needs that teardown; its helpers end on their own connections.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

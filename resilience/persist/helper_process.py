@@ -1,0 +1,152 @@
+"""A persist helper's own loop: this rank's part of the pipeline, run in a helper process on what the training
+process sends (:class:`~resilience.persist.helper.HelperPipeline` is the other end).
+
+It runs the same :class:`~resilience.persist.pipeline.Pipeline` the training process would otherwise run as
+threads, over the training process's staging buffers mapped in place by segment name; every save's futures,
+events and errors go back over the connection as they happen.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from resilience.checkpoint.events import Events
+from resilience.checkpoint.save_handle import Commit, SaveHandle
+from resilience.checkpoint.staging import SegmentRef, StagingJob, attach
+from resilience.dist import Groups
+from resilience.errors import CheckpointError, describe
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from resilience.persist.helper import HelperSettings
+    from resilience.persist.pipeline import Pipeline, WriteJob, WriteSpec
+
+Send = Callable[[tuple[Any, ...]], None]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A DTensor's local shard where there is no device mesh (the helper): its DCP write items were made by the
+    training process from the real DTensor, so the global layout is kept and loads reshard as usual."""
+
+    local: torch.Tensor
+    items: list[Any]
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[Any]:
+        return self.items
+
+
+def serve_pipeline(conn: Connection, settings: HelperSettings) -> None:
+    """Run this rank's part of the pipeline on what the training process sends, until told to close."""
+    send_lock = threading.Lock()
+
+    def send(message: tuple[Any, ...]) -> None:
+        with send_lock:
+            conn.send(message)
+
+    send(("ready", os.getpid()))
+    _join_helpers(settings)
+    protected: set[int] = set()
+    pipeline = _pipeline(settings, send, lambda: set(protected))
+    buffers: dict[str, torch.Tensor] = {}
+    mapped: dict[str, torch.Tensor] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return  # the training process is gone: nothing more will come
+        kind = message[0]
+        if kind == "buffers":
+            refs: dict[str, SegmentRef] = message[1]
+            for key, ref in refs.items():  # the training process's staging buffers, read in place
+                buffers[key] = attach(ref, mapped)
+        elif kind == "write":
+            spec, keys, protected = message[1], message[2], set(message[3])
+            pipeline.submit(_job(spec, {k: buffers[k] for k in keys}, send))
+        elif kind == "retain":
+            protected = set(message[1])
+            pipeline.close()
+            pipeline.retain()
+        elif kind == "close":
+            pipeline.close()
+            send(("closed",))
+            return
+
+
+def _join_helpers(settings: HelperSettings) -> None:
+    """The helpers of all ranks form a gloo group of their own, through the store rank 0's training process hosts."""
+    topology = settings.topology
+    if topology.world_size == 1:
+        return
+    timeout = timedelta(seconds=settings.config.collective_timeout_s)
+    store = dist.TCPStore(settings.store_host, settings.store_port, is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(f"resilience-helpers/{settings.generation}", store)
+    dist.init_process_group("gloo", store=prefixed, rank=topology.rank, world_size=topology.world_size, timeout=timeout)
+
+
+def _pipeline(settings: HelperSettings, send: Send, protected_steps: Callable[[], set[int]]) -> Pipeline:
+    """The pipeline a training process would run as threads, reporting over the connection."""
+    from resilience.persist.pipeline import Pipeline  # DCP: imported in each helper, never by the fork server
+    from resilience.storage.tiers import DurableTier, LocalTier
+
+    config, topology = settings.config, settings.topology
+    groups = Groups(config.collective_timeout_s, topology.nodes[topology.rank])
+    return Pipeline(
+        config,
+        LocalTier(config.local_root),
+        DurableTier(config.durable_url, config.storage_options) if config.durable_url else None,
+        topology,
+        groups.writer,
+        groups.upload,
+        settings.local_shared,
+        Events(topology.rank, [lambda record: send(("event", record))]),
+        lambda step: send(("known", step)),
+        protected_steps,
+        on_error=lambda error: send(("error", pickled_error(error))),
+    )
+
+
+def _job(spec: WriteSpec, staged: dict[str, torch.Tensor], send: Send) -> WriteJob:
+    """A save received, as a job for this helper's pipeline: its tensors are the mapped buffers (a DTensor's
+    shard as a :class:`Piece`), and its handle's futures are sent back as they resolve."""
+    from resilience.persist.pipeline import WriteJob
+
+    handle = SaveHandle(spec.step)
+    handle.committed.add_done_callback(_forward("committed", spec.step, handle, send))
+    handle.durable.add_done_callback(_forward("durable", spec.step, handle, send))
+    tensors = {k: Piece(t, spec.pieces[k]) if k in spec.pieces else t for k, t in staged.items()}
+    return WriteJob.of(spec, StagingJob(tensors), handle)  # type: ignore[arg-type]
+
+
+def _forward(kind: str, step: int, handle: SaveHandle, send: Send) -> Callable[[Future[Any]], None]:
+    def done(future: Future[Any]) -> None:
+        error = future.exception()
+        result: Commit | bytes | None = pickled_error(error) if error is not None else future.result()
+        send((kind, step, result, dict(handle.timings)))
+
+    return done
+
+
+def pickled_error(exc: BaseException) -> bytes:
+    """An exception as it crosses back to the training process: itself, or if it does not pickle, its description."""
+    try:
+        return pickle.dumps(exc)
+    except Exception:
+        return pickle.dumps(CheckpointError(describe(exc)))
+
+
+def unpickled_error(data: bytes) -> CheckpointError:
+    """An error from :func:`pickled_error`, as the engine raises it."""
+    exc = pickle.loads(data)
+    return exc if isinstance(exc, CheckpointError) else CheckpointError(describe(exc))
