@@ -52,7 +52,7 @@ def role(process: psutil.Process) -> str:
     command = " ".join(process.cmdline())
     if "resource_tracker" in command:
         return "resource tracker"
-    if "resilience.helper" in command:
+    if "resilience.persist" in command:
         return "ours: fork server or helper"
     if "spawn_main" in command:
         return "DCP's checkpoint process"
