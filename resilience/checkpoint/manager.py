@@ -1,12 +1,15 @@
 """One manager per process; every checkpoint goes through it in clear phases.
 
-    claim(): own the root for this run (no other live job; leftovers of dead ones cleared; run identity)
-    save():  agree (one tiny all-reduce) -> flatten -> stage into reused host buffers -> hand off
+    claim(): own the roots for this run (no other live job; leftovers of dead ones cleared; run identity)
+    save():  claim if needed -> flatten -> agree (one tiny all-reduce) -> wait if busy -> deal -> stage into
+             reused host buffers -> hand off to the background
     writer:  DCP write of this rank's shards -> checksums -> agree -> manifest (local commit) -> retention
     upload:  pick newest ready -> concurrent transfers with retries -> agree -> manifest (durable commit)
     load():  discover (both tiers) -> verify, fall back past bad ones -> DCP load with resharding
 
-Construction, claim(), save() and load() are collective: call them on every rank.
+The manager composes its parts: the claim on its roots (:mod:`.claim`), discovery and load (:mod:`.restore`),
+the staging buffers (:mod:`.staging_area`), the background (:mod:`.background`). Construction, claim(), save()
+and load() are collective: call them on every rank.
 """
 
 from __future__ import annotations
@@ -142,8 +145,6 @@ class CheckpointManager:
         """Names this job in the durable lease (rank 0's owner), on every rank."""
         return self._roots.lease_token
 
-    # ---- the background ------------------------------------------------------------------------------------------
-
     def stop_background(self) -> None:
         """Stop the background half of saves for good (a survivor save is about to write without it): the helper
         process is killed, which may be stuck in a collective with a rank that is gone."""
@@ -166,8 +167,6 @@ class CheckpointManager:
         self.drain()
         self._background.rest()
         return True
-
-    # ---- the run and its steps -----------------------------------------------------------------------------------
 
     def claim(self, *, resumed_from: int | None = None, run_id: str | None = None) -> str:
         """Begin training on the local root: call when a run (re)starts, before its first save; collective.
