@@ -145,11 +145,11 @@ def test_host_buffers_are_reused_across_saves(tmp_path: Path) -> None:
     with manager(tmp_path, keep_last=2) as m:
         m.save(1, make_state(1))
         m.wait()
-        buffers = {k: v.data_ptr() for k, v in m._stager._buffers.items()}
+        buffers = {k: v.data_ptr() for k, v in m._staging_area.stager._buffers.items()}
         for step in range(2, 6):
             m.save(step, make_state(step))
             m.wait()
-        assert {k: v.data_ptr() for k, v in m._stager._buffers.items()} == buffers
+        assert {k: v.data_ptr() for k, v in m._staging_area.stager._buffers.items()} == buffers
 
 
 @pytest.mark.parametrize("numel", [1000, 300_000])
@@ -363,10 +363,10 @@ def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, 
     pending_in_closure: list[bool] = []
     with manager(tmp_path, async_staging=True, staging_barrier=barrier) as m:
         m.save(1, {"model": model.state_dict()})
-        assert m._staging is not None and m._barrier_hooks, "a pending copy arms the barrier"
+        assert m._staging_area.pending is not None and m._staging_area.barrier_hooks, "a pending copy arms the barrier"
 
         def forward_backward() -> torch.Tensor:
-            pending_in_closure.append(m._staging is not None)
+            pending_in_closure.append(m._staging_area.pending is not None)
             loss = model(torch.ones(2, 64)).sum()
             loss.backward()
             return loss
@@ -377,11 +377,11 @@ def test_async_staging_barrier_makes_the_next_state_change_wait(tmp_path: Path, 
         else:
             forward_backward()
             if barrier == "forward":
-                assert m._staging is None, "the forward must have waited for the copy"
+                assert m._staging_area.pending is None, "the forward must have waited for the copy"
             optimizer.step()  # without calling wait_for_staging(): the hook does it
-        assert m._staging is None, "the update waited for the copy"
+        assert m._staging_area.pending is None, "the update waited for the copy"
         m.wait()
-    assert not m._barrier_hooks, "closing removes the hooks"
+    assert not m._staging_area.barrier_hooks, "closing removes the hooks"
     with manager(tmp_path) as m:
         restored = m.load()
     assert restored is not None

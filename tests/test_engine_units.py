@@ -255,7 +255,7 @@ def test_redact_masks_credentials() -> None:
 
 
 def test_replicated_tensors_are_dealt_out_among_the_ranks_that_write() -> None:
-    from resilience.recovery.survivors import share_among
+    from resilience.checkpoint.deal import share_among
 
     sizes = [100, 60, 50, 40, 10]
     tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NoReturn
 
+from resilience.checkpoint import open_engines
 from resilience.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -246,9 +247,9 @@ def _report_end(exc: BaseException) -> None:
 
 
 def _close_generation() -> None:
-    """What a generation leaves that the next must not find: the hooks' (engines, framework singletons), then the
-    process group (all its subgroups with it)."""
-    for hook in list(_before_next):
+    """What a generation leaves that the next must not find: the checkpoint engines still open, the hooks'
+    (framework singletons), then the process group (all its subgroups with it)."""
+    for hook in [open_engines.abandon_open, *_before_next]:
         try:
             hook()
         except Exception:

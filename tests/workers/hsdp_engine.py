@@ -24,10 +24,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint.deal import holders, share_among
 from resilience.checkpoint.rng import capture_rng
 from resilience.checkpoint.tree import flatten
 from resilience.recovery.peer_loss import PeerLossConfig
-from resilience.recovery.survivors import holders, share_among
 from resilience.session import IntervalConfig, SaveState, TrainingSession
 from tests.workers.reliability_reshard import assert_same, full_state, restore, sharded_state, train_step
 from tests.workers.victim import die_after_boundary

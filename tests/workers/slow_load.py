@@ -9,18 +9,18 @@ from __future__ import annotations
 import os
 import time
 
-from resilience.checkpoint.manager import CheckpointManager
+from resilience.checkpoint.restore import Restorer
 
 
 def slow_down_loads_from_env() -> None:
     if not os.environ.get("TEST_SLOW_LOAD_S"):
         return
     seconds, marker = float(os.environ["TEST_SLOW_LOAD_S"]), os.environ["TEST_LOADING_MARKER"]
-    load_entry = CheckpointManager._load_entry
+    load_entry = Restorer.load_entry
 
-    def slow(self: CheckpointManager, *args: object, **kwargs: object) -> object:
+    def slow(self: Restorer, *args: object, **kwargs: object) -> object:
         open(marker, "w").close()
         time.sleep(seconds)
         return load_entry(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    CheckpointManager._load_entry = slow  # type: ignore[method-assign]
+    Restorer.load_entry = slow  # type: ignore[method-assign]

@@ -1,0 +1,234 @@
+"""Discovery and load: the newest copy that verifies, found and read by every rank together.
+
+A manager composes one :class:`Restorer`. Rank 0 lists both tiers once; every rank verifies a share of the
+files; a copy that fails anywhere (checksums, a shard DCP cannot read, a malformed state file) is set aside and
+the next older one is tried, so the same bad copy never stops a relaunch twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable, Collection
+from typing import Any
+
+from resilience.checkpoint.claim import RootClaim
+from resilience.checkpoint.loader import ReadCounter, Restored, plan_load, run_load
+from resilience.checkpoint.save_handle import SaveHandle
+from resilience.config import CheckpointConfig
+from resilience.dist import Channel
+from resilience.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    NoCheckpointError,
+    describe,
+)
+from resilience.goodput.ledger import LOAD_PARTS
+from resilience.progress import still_going
+from resilience.storage import catalog
+from resilience.storage.layout import CORRUPT_MANIFEST, MANIFEST, QUARANTINE_DIR, aside_name
+from resilience.storage.proofs import Proofs
+from resilience.storage.tiers import DurableTier, LocalTier, Tier
+
+log = logging.getLogger(__name__)
+
+
+class Restorer:
+    """Finds, verifies and reads checkpoints for one manager; every method is collective."""
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        local: LocalTier,
+        durable: DurableTier | None,
+        control: Channel,
+        roots: RootClaim,
+        rank: int,
+        world_size: int,
+    ):
+        self.config = config
+        self.local = local
+        self.durable = durable
+        self.control = control
+        self.roots = roots  # a copy set aside as corrupt is no longer a step that exists
+        self.rank = rank
+        self.world_size = world_size
+
+    def latest(self) -> catalog.Entry | None:
+        """The newest committed checkpoint that verifies, agreed by all ranks."""
+        return self._choose(None)
+
+    def load(self, target: Any, *, step: int | None, rank_state: bool, leave_out: Collection[str]) -> Restored | None:
+        """The newest verified copy (of ``step``) read into ``target``, older ones tried past bad ones; see
+        :meth:`CheckpointManager.load`."""
+        allow_pickle = self.config.allow_pickle or os.environ.get("RESILIENCE_ALLOW_PICKLE") == "1"
+        rejected: set[tuple[int, str]] = set()
+        # where the time goes, copies set aside included: listing the tiers, checksums, the read itself
+        timings = dict.fromkeys(LOAD_PARTS, 0.0)
+        while True:
+            entry = self._choose(step, rejected, timings)
+            if entry is None:
+                if step is not None:
+                    raise NoCheckpointError(
+                        f"No committed checkpoint of step {step} verifies under {self.roots.where()}: run "
+                        "`resilience ls` to see what exists"
+                    )
+                return None
+            began = time.monotonic()
+            try:
+                restored = self.load_entry(
+                    entry, target, rank_state=rank_state, allow_pickle=allow_pickle, leave_out=leave_out
+                )
+            except IncompatibleStateError:
+                raise
+            except CorruptCheckpointError as exc:
+                self._warn(f"Skipping {entry.where()}: {exc}; trying an older checkpoint")
+                self._take_out(entry, definitely_corrupt=True)
+                rejected.add((entry.step, entry.tier.name))
+                continue
+            except CheckpointError as exc:
+                self._warn(f"Skipping {entry.where()} for now: {exc}; trying an older checkpoint")
+                rejected.add((entry.step, entry.tier.name))
+                continue
+            finally:
+                timings["read_s"] += time.monotonic() - began
+            restored.timings = timings
+            return restored
+
+    def load_entry(
+        self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool, leave_out: Collection[str]
+    ) -> Restored:
+        """Read one copy on every rank. A problem on one rank must stop every rank, not leave the others waiting in
+        the collective read: each phase ends with the ranks agreeing on its outcome (and nothing else crosses)."""
+        box: dict[str, Any] = {}
+
+        def plan() -> None:
+            tree = target() if callable(target) else target
+            box["plan"] = plan_load(entry, tree, rank=self.rank, want_rank_state=rank_state, leave_out=leave_out)
+
+        def read() -> None:
+            box["restored"] = run_load(
+                entry,
+                box["plan"],
+                group=self.control.group,
+                allow_pickle=allow_pickle,
+                local=self.local,
+                check_reads=not self._hashes_before_load(entry),
+                trust_proofs=self.config.verify == "auto",
+                read=counter,
+            )
+
+        self.control.agree(plan)
+        counter = ReadCounter()
+        size = f"{entry.manifest.total_bytes / 2**30:.2f} GiB" if entry.manifest is not None else "size unknown"
+        what = f"reading step {entry.step} from the {entry.tier.name} tier ({size})"
+
+        def done() -> str:
+            return f"{counter.bytes / 2**30:.2f} GiB read on this rank"
+
+        with still_going(what, enabled=self.rank == 0, detail=done):
+            self.control.agree(read)
+        restored: Restored = box["restored"]
+        return restored
+
+    def _choose(
+        self, step: int | None, rejected: set[tuple[int, str]] | None = None, timings: dict[str, float] | None = None
+    ) -> catalog.Entry | None:
+        """The newest copy that verifies (of ``step``), not ``rejected``; adds to ``timings``' discovery and
+        verification seconds."""
+        spent = timings if timings is not None else dict.fromkeys(LOAD_PARTS, 0.0)
+
+        def listed() -> list[tuple[str, int, str, Any, str | None]]:
+            return [
+                (e.tier.name, e.step, e.path, e.manifest, e.problem)
+                for e in catalog.candidates([self.local, self.durable], invalid=True)
+                if (step is None or e.step == step) and (e.step, e.tier.name) not in (rejected or set())
+            ]
+
+        # Rank 0 lists once; every rank verifies a share of the files, so a full check scales with ranks.
+        tiers: dict[str, Tier | None] = {"local": self.local, "durable": self.durable}
+        began = time.monotonic()
+        entries = [
+            catalog.Entry(s, tier, path, manifest, problem)
+            for name, s, path, manifest, problem in self.control.decide(listed)
+            if (tier := tiers[name]) is not None
+        ]
+        spent["discover_s"] += time.monotonic() - began
+        share = (self.rank, self.world_size)
+
+        def verify(entry: catalog.Entry) -> str | None:
+            began = time.monotonic()
+            try:
+                return self._verify_together(entry, share)
+            finally:
+                spent["verify_s"] += time.monotonic() - began
+
+        return catalog.first_verified(entries, verify, self._warn)
+
+    def _hashes_before_load(self, entry: catalog.Entry) -> bool:
+        """Whether discovery hashes this copy's shards: with ``verify="auto"`` only the local tier's (the durable
+        tier's are hashed as they are read instead, so each is downloaded once); ``"size"`` never."""
+        return self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
+
+    def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
+        """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
+        full = self._hashes_before_load(entry)
+        proven = Proofs(entry.path) if self.config.verify == "auto" and entry.tier is self.local else None
+        try:
+            self.control.agree(lambda: catalog.verify(entry, full=full, share=share, proven=proven))
+        except CorruptCheckpointError as exc:
+            self._take_out(entry, definitely_corrupt=True)
+            return str(exc)
+        except CheckpointError as exc:
+            return str(exc)
+        except Exception as exc:
+            return describe(exc)
+        return None
+
+    def _take_out(self, entry: catalog.Entry, *, definitely_corrupt: bool) -> None:
+        """Take a corrupt copy out of discovery without deleting it, so its step can be saved again."""
+        if definitely_corrupt:
+            self.roots.forget(entry.step)
+        if self.rank == 0 and definitely_corrupt:
+            _quarantine(entry)
+        self.control.barrier()
+
+    def _warn(self, message: str) -> None:
+        if self.rank == 0:
+            warnings.warn(message, stacklevel=4)  # the caller of CheckpointManager.load
+
+
+def _quarantine(entry: catalog.Entry) -> None:
+    """A local copy moves to ``<local_root>/quarantine/``; in an object store, where moving a prefix is a copy of
+    every object, only its manifest is renamed."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    try:
+        if isinstance(entry.tier, LocalTier):
+            aside = entry.tier.path(QUARANTINE_DIR, aside_name(entry.step, stamp))
+            entry.tier.rename(entry.path, aside)
+        else:
+            assert isinstance(entry.tier, DurableTier)
+            aside = f"{entry.path}/{CORRUPT_MANIFEST}{stamp}"
+            entry.tier.rename_manifest(f"{entry.path}/{MANIFEST}", aside)
+        log.warning("quarantined corrupt %s as %s", entry.where(), entry.tier.display(aside))
+    except Exception as exc:
+        log.warning("could not quarantine %s: %s", entry.where(), exc)
+
+
+def settle_own_save(handle: SaveHandle | None, wait: Callable[[], object]) -> None:
+    """This process's last save (``handle``) is the newest state it knows: a load waits (``wait``) for its local
+    commit, so that a load right after a save (a rollback) reads it rather than an older checkpoint; a failed save
+    raises."""
+    if handle is None or handle.committed.done():
+        return
+    log.info("waiting for the save of step %d to commit before loading", handle.step)
+    try:
+        wait()
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"load: the save of step {handle.step} made before it did not commit ({exc}); to load the newest "
+            "committed checkpoint instead, pass its step"
+        ) from exc
