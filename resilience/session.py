@@ -2,7 +2,7 @@
 
 A framework adapter keeps three parts only: it builds the state to save (:data:`StateBuilder`), it wires the
 framework's hooks to the session's calls, and it gives the session a metrics sink (its loggers or trackers).
-The session owns the rest, and composes it from four parts, each in the subpackage of what it is about:
+The session owns the rest, composed of parts, each in the subpackage of what it is about:
 
 * :class:`~resilience.goodput.interval.SessionInterval`: saves on a fixed interval or on the Young/Daly one
   (``"auto"``), planned on rank 0 and agreed by all;
@@ -12,10 +12,12 @@ The session owns the rest, and composes it from four parts, each in the subpacka
 * :class:`~resilience.recovery.peer_loss.SessionPeerLoss`: when a peer dies or hangs, the survivors save;
 * :class:`~resilience.goodput.accounting.SessionGoodput`: the time saves blocked training (their staging waits
   before an optimizer step included), data waits, restores and emergencies go to the ledger; per-save telemetry
-  and data-wait windows to the sinks.
+  and data-wait windows to the sinks;
+* :class:`~resilience.checkpoint.resume.SessionResume`: a resume, and the saved RNG streams re-applied where
+  the saved run stood.
 
-The session itself keeps the order of things at a boundary, the saves, the resume and the saved RNG streams
-(re-applied where the saved run stood). Call order on every rank::
+Each part owns its state; what it needs from the others it gets from the session as a callback. The session
+itself keeps the order of things at a step boundary and makes the saves. Call order on every rank::
 
     restored = session.restore(target)     # a resume (optional); then session.restored(restored)
     session.start(step)                    # training begins (collective: claims the checkpoint root)
@@ -30,12 +32,12 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NoReturn, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
 
 from resilience.checkpoint.loader import Restored
 from resilience.checkpoint.manager import CheckpointManager
-from resilience.checkpoint.rng import restore_rng
+from resilience.checkpoint.resume import RngTiming, SessionResume
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.config import WhenBusy
 from resilience.goodput import (
@@ -64,7 +66,6 @@ log = logging.getLogger(__name__)
 FAILED_DRAIN_S = 30.0  # after a failure, how long the last saves may still take before the session ends
 FAILED_EXIT_WAIT_S = 5.0  # ... and how long the process exit then waits for them
 T = TypeVar("T")
-RngTiming = Literal["now", "start", "next_batch"]
 
 
 @dataclass(frozen=True)
@@ -131,8 +132,6 @@ class TrainingSession:
         self._begun_step: int | None = None
         self._last_boundary: Boundary | None = None
         self._last_end_t: float | None = None
-        self._restore_began: float | None = None
-        self._pending_rng: tuple[dict[str, Any], RngTiming] | None = None
         self.sinks = Sinks()
         self.interval = SessionInterval(manager, emit=self.sinks.emit, is_main=self.is_main)
         self.goodput = SessionGoodput(
@@ -147,6 +146,7 @@ class TrainingSession:
             is_main=self.is_main,
         )
         self.health = SessionHealth(manager, emit=self.sinks.emit, on_hang=self.peers.hang_seen)
+        self.resume = SessionResume(manager, is_main=self.is_main, on_restored=self.goodput.restored)
 
     # ---- parts (before start) ----------------------------------------------------------------------------------
 
@@ -191,6 +191,7 @@ class TrainingSession:
 
     @peer_watch.setter
     def peer_watch(self, watch: PeerLossWatch | None) -> None:
+        """A watch made elsewhere (a test's, with its liveness faked)."""
         self.peers.watch = watch
 
     def interval_state(self) -> dict[str, Any]:
@@ -216,33 +217,7 @@ class TrainingSession:
         it comes back as None, and the main process says that ``per_rank`` starts afresh. The time from here to
         :meth:`restored` (the adapter putting the state in place) is the restore's time in the ledger.
         """
-        self._restore_began = time.perf_counter()
-        restored = self.manager.load(target, step=step, leave_out=leave_out)
-        if restored is None:
-            return None
-        if restored.manifest.world_size == self.manager.world_size:
-            lost = (restored.manifest.extra.get("survivor_save") or {}).get("lost", [])
-            if restored.rank_state is None and self.manager.rank in lost:
-                # a rank lost before its heartbeat wrote its state of this boundary (docs/HEALTH.md)
-                log.warning(
-                    "rank %d: step %d was saved by the survivors after this rank was lost, without its own "
-                    "state of that step: %s starts afresh, so this rank's part of the run will not repeat exactly",
-                    self.manager.rank,
-                    restored.step,
-                    per_rank,
-                )
-            return restored
-        if self.is_main:
-            log.warning(
-                "step %d (%s) was saved by %d processes and this run has %d: the shared state is restored "
-                "(resharded), but %s starts afresh",
-                restored.step,
-                restored.path,
-                restored.manifest.world_size,
-                self.manager.world_size,
-                per_rank,
-            )
-        return replace(restored, rank_state=None)
+        return self.resume.restore(target, step=step, leave_out=leave_out, per_rank=per_rank)
 
     def restored(self, restored: Restored | None, *, rng_at: RngTiming = "now", position: str = "") -> None:
         """A resume happened (or found nothing: ``restored`` None), and its state is in place.
@@ -252,28 +227,7 @@ class TrainingSession:
         if any, are applied ``"now"``, when training starts, or when the next batch is in hand (a mid-epoch save
         was taken with the loader's iterator already made, which draws from the RNG).
         """
-        began, self._restore_began = self._restore_began, None
-        seconds = time.perf_counter() - began if began is not None else 0.0
-        parts = restored.timings if restored is not None else {}
-        self.goodput.restored(restored.step if restored is not None else None, seconds, parts)
-        self._pending_rng = None
-        if restored is None:
-            return
-        if self.is_main:
-            sizes = self.manager.config.verify == "size"
-            checks = "sizes and small files' checksums" if sizes else "every file's checksum"
-            where = f"Restored step {restored.step} from the {restored.tier} tier ({restored.path}) in {seconds:.1f} s"
-            log.info("%s, verified: %s%s", where, checks, f"; {position}" if position else "")
-        saved_rng = restored.rank_state.get("rng") if isinstance(restored.rank_state, dict) else None
-        if saved_rng is not None:
-            self._pending_rng = (saved_rng, rng_at)
-            self._rng_due("now")
-
-    def _rng_due(self, when: RngTiming) -> None:
-        """Re-apply the saved RNG streams if ``when`` is where they belong."""
-        if self._pending_rng is not None and self._pending_rng[1] == when:
-            restore_rng(self._pending_rng[0])
-            self._pending_rng = None
+        self.resume.restored(restored, rng_at=rng_at, position=position)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -288,7 +242,7 @@ class TrainingSession:
         self._start_step = step
         self.peers.start()
         self.health.start()
-        self._rng_due("start")
+        self.resume.rng_due("start")
         self.goodput.start()
         self.interval.start(step)
         self._last_end_t = time.perf_counter()
@@ -314,7 +268,7 @@ class TrainingSession:
                 return
             self._begun_step = step
         self.goodput.batch_in_hand(wait_s, samples, infer_wait=infer_wait)
-        self._rng_due("next_batch")
+        self.resume.rng_due("next_batch")
         self.goodput.step_begins()
 
     def timed(self, loader: Iterable[T], settings: Any = None) -> TimedIterator[T]:
@@ -371,7 +325,8 @@ class TrainingSession:
             )
         self.stopping = decision
         self.last_emergency = result
-        self.goodput.emergency_save(decision.reason, decision.step, step, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.goodput.emergency_save(step, seconds, fault=decision.reason, fault_step=decision.step)
         return Boundary(step, saved=self.manager.saved(step), stop=decision, emergency=result)
 
     # ---- saves -----------------------------------------------------------------------------------------------

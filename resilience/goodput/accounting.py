@@ -187,10 +187,10 @@ class SessionGoodput:
         finally:
             self._paused_s += time.perf_counter() - start
 
-    def emergency_save(self, reason: str, fault_step: int, step: int, seconds: float) -> None:
-        """A stop's emergency save of ``step`` took ``seconds``, after a fault at ``fault_step``."""
+    def emergency_save(self, step: int, seconds: float, *, fault: str, fault_step: int) -> None:
+        """A stop's emergency save of ``step`` took ``seconds``, after ``fault`` at ``fault_step``."""
         if self.ledger is not None:
-            self.ledger.fault(reason, fault_step)
+            self.ledger.fault(fault, fault_step)
             self.ledger.emergency(seconds, f"emergency save of step {step}")
 
     def survivor_save(self, outcome: SurvivorOutcome, lost: str, ended: str) -> None:
