@@ -129,7 +129,7 @@ def resilience_save(resilience: ResilienceHandle, step: int) -> tuple[float, flo
     handle = resilience.save(step=step)
     assert handle is not None
     block = time.perf_counter() - t0
-    resilience.checkpoint.manager.wait_for_staging()
+    resilience.manager.wait_for_staging()
     staged = time.perf_counter() - t0
     handle.committed.result()
     return block, staged, time.perf_counter() - t0
@@ -184,9 +184,7 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
         if dcp is not None:
             dcp.wait()  # the last save written and fsynced
         wall, cpu = now() - wall, cpu_seconds() - cpu
-    made = (
-        resilience.checkpoint.manager.stats.saves if resilience is not None else dcp.saves if dcp is not None else saves
-    )
+    made = resilience.manager.stats.saves if resilience is not None else dcp.saves if dcp is not None else saves
     if made != saves:
         raise RuntimeError(f"{variant}: {made} saves made, {saves} asked for")
     if resilience is not None:

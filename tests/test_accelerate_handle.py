@@ -165,8 +165,8 @@ def test_project_configuration_gives_defaults_and_numbering_survives_restarts(tm
     for stop_at in (4, 7):  # a restarted run saving with save_state() again: no "already exists" (#1601, #3306)
         job = new_job(project=project)
         resilience = attach(job.accelerator)
-        assert resilience.checkpoint.manager.config.local_root == str(tmp_path / "resilience")
-        assert resilience.checkpoint.manager.config.keep_last == 2  # total_limit=1 would leave nothing during a save
+        assert resilience.manager.config.local_root == str(tmp_path / "resilience")
+        assert resilience.manager.config.keep_last == 2  # total_limit=1 would leave nothing during a save
         point = job.accelerator.load_state()
         assert point.global_step == (0 if stop_at == 4 else 4)
         train(job, resilience, point, stop_at=stop_at)
@@ -191,7 +191,7 @@ def test_a_small_model_in_one_process_persists_in_threads_by_default(tmp_path: P
     """Its helper process would cost every run an interpreter importing torch, which the first commit waits for."""
     job = new_job()
     with attach(job.accelerator, ResiliencePlugin(local_dir=str(tmp_path))) as resilience:
-        assert resilience.checkpoint.manager.config.persist == "thread"
+        assert resilience.manager.config.persist == "thread"
         train(job, resilience, resilience.resume(), stop_at=2)
     assert committed_steps(tmp_path) == [2]
 
