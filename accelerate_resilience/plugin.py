@@ -15,10 +15,10 @@ from resilience import env_settings as env
 from resilience.config import CheckpointConfig, Persist, persist_until_known
 from resilience.docstrings import documented_by
 from resilience.errors import ConfigError
+from resilience.goodput import GoodputConfig, IntervalConfig
 from resilience.health import HealthConfig
 from resilience.persist.fork_server import start_server_early
 from resilience.recovery.peer_loss import PeerLossConfig
-from resilience.session import GoodputConfig, IntervalConfig
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
 DEFAULT_KEEP_LAST = 3

@@ -7,7 +7,8 @@ from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience.docstrings import documented_by
-from resilience.session import GoodputConfig, TrainingSession
+from resilience.goodput import GoodputConfig
+from resilience.session import TrainingSession
 
 
 @documented_by(GoodputConfig, notes={"run_dir": "Default: ``trainer.default_root_dir``."})

@@ -9,8 +9,8 @@ from typing_extensions import override
 
 from lightning_resilience.session_callback import SessionCallback
 from resilience.docstrings import documented_by
-from resilience.goodput import IntervalPlan
-from resilience.session import IntervalConfig, TrainingSession
+from resilience.goodput import IntervalConfig, IntervalPlan
+from resilience.session import TrainingSession
 
 
 @documented_by(

@@ -229,10 +229,10 @@ def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
     """The thread that waited for the other's survivor save reports the same outcome; the ledger gets one fault
     and one end, and both threads leave through the exit (a no-op here: it would end the process)."""
     from resilience import CheckpointConfig, CheckpointManager
-    from resilience.goodput import summarize
+    from resilience.goodput import GoodputConfig, summarize
     from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig, PeerLossWatch
     from resilience.recovery.survivors import SurvivorOutcome
-    from resilience.session import GoodputConfig, SaveState, TrainingSession
+    from resilience.session import SaveState, TrainingSession
 
     def slow_save(manager: object, *, step: int, **_: object) -> SurvivorOutcome:
         time.sleep(1.0)

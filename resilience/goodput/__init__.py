@@ -4,8 +4,9 @@ Framework-free; the Lightning and Accelerate adapters call these. matplotlib is 
 report draws its picture.
 """
 
+from resilience.goodput.accounting import GoodputConfig
 from resilience.goodput.data import DataWaitMonitor, DataWindow, LoaderInfo, TimedIterator, describe_loader
-from resilience.goodput.interval import AdaptiveInterval, IntervalPlan, young_daly_interval
+from resilience.goodput.interval import AdaptiveInterval, IntervalConfig, IntervalPlan, young_daly_interval
 from resilience.goodput.ledger import GoodputLedger
 from resilience.goodput.summary import GoodputSummary, summarize
 from resilience.goodput.telemetry import CheckpointTelemetry
@@ -15,8 +16,10 @@ __all__ = [
     "CheckpointTelemetry",
     "DataWaitMonitor",
     "DataWindow",
+    "GoodputConfig",
     "GoodputLedger",
     "GoodputSummary",
+    "IntervalConfig",
     "IntervalPlan",
     "LoaderInfo",
     "TimedIterator",

@@ -5,18 +5,30 @@ average, T/(2 MTBF) of the time. The sum is smallest at T = sqrt(2 C MTBF), wher
 Daly's higher-order correction changes T by well under 1% while C is seconds and MTBF hours, so it is left
 out. Assumptions: failures independent at a steady rate; C is the *blocking* part of a save (an async
 save's background write is free unless it delays the next save); restart and restore time do not depend on T.
+
+:class:`SessionInterval` is the training session's part: when it saves on its own, a fixed number of steps
+or this interval, planned on rank 0 and agreed by all.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
+from resilience.errors import ConfigError
 from resilience.goodput.ledger import ledger_dir
 from resilience.goodput.summary import summarize
+
+if TYPE_CHECKING:
+    from resilience.checkpoint.manager import CheckpointManager
+
+log = logging.getLogger(__name__)
 
 # Llama 3 pre-training: 419 interruptions in 54 days on 16,384 GPUs, about one per 5.8 GPU-years.
 PER_GPU_MTBF_S = 54 * 86400 * 16384 / 419
@@ -191,3 +203,140 @@ class AdaptiveInterval:
             gpus=self.gpus,
             bounds=(self.min_s, self.max_s),
         )
+
+
+@dataclass
+class IntervalConfig:
+    """When the session saves on its own.
+
+    Attributes:
+        every_n_steps: Save every N optimizer steps (at steps that are multiples of N), ``"auto"`` for the
+            Young/Daly interval ``sqrt(2 * C * MTBF)`` from the measured blocking cost C of a save, or None for
+            no interval saves.
+        mtbf_hours: With ``"auto"``: the job's mean time between failures, if known; else observed from the run's
+            restarts in its goodput ledger, else a prior of 5.8 GPU-years per GPU.
+        min_interval_s: With ``"auto"``: the shortest interval it may choose.
+        max_interval_s: With ``"auto"``: the longest interval it may choose.
+        warmup_steps: With ``"auto"``: the first save comes this many steps in, to measure what a save costs.
+    """
+
+    every_n_steps: int | Literal["auto"] | None = None
+    mtbf_hours: float | None = None
+    min_interval_s: float = 60.0
+    max_interval_s: float = 6 * 3600.0
+    warmup_steps: int = 5
+
+    def __post_init__(self) -> None:
+        every = self.every_n_steps
+        if (
+            every is not None
+            and every != "auto"
+            and (isinstance(every, bool) or not isinstance(every, int) or every < 1)
+        ):
+            raise ConfigError(f"every_n_steps={every!r}: use a positive number of optimizer steps, 'auto' or None")
+        if self.mtbf_hours is not None and self.mtbf_hours <= 0:
+            raise ConfigError(f"mtbf_hours={self.mtbf_hours}: use a positive number of hours")
+        if self.min_interval_s <= 0 or self.max_interval_s < self.min_interval_s:
+            raise ConfigError(
+                f"min_interval_s={self.min_interval_s}, max_interval_s={self.max_interval_s}: need "
+                "0 < min_interval_s <= max_interval_s"
+            )
+        if self.warmup_steps < 1:
+            raise ConfigError(f"warmup_steps={self.warmup_steps}: use 1 or more")
+
+
+RunSoFar = Callable[[], tuple[float, int] | None]  # the run's uptime and failures, when its ledger tells them
+
+
+class SessionInterval:
+    """The session's save interval: which boundaries save, and for ``"auto"`` the plan after each save.
+
+    The session reports what the plan is made of as it happens: each step's time, each save started, and every
+    second saves blocked training (the cost of a save is the blocking time since the last plan over the saves
+    started since). Without :meth:`use` no boundary is due.
+
+    Args:
+        manager: Its control group agrees on a plan (rank 0 plans, every rank saves at the same steps); its world
+            size scales the prior MTBF.
+        emit: Where each plan's metrics go.
+        is_main: Whether this process logs the plans.
+    """
+
+    def __init__(self, manager: CheckpointManager, *, emit: Callable[[dict[str, float]], None], is_main: bool) -> None:
+        self._manager = manager
+        self._emit = emit
+        self._is_main = is_main
+        self.config: IntervalConfig | None = None
+        self.last_plan: IntervalPlan | None = None
+        self._planner: AdaptiveInterval | None = None
+        self._next_step = 0  # with "auto": the next boundary that saves
+        self._steps: int | None = None  # with "auto": the agreed interval, once planned (or restored)
+        self._restored_next_step: int | None = None
+        self._cost_s = 0.0  # blocking time since the last plan
+        self._saves = 0  # saves started since the last plan
+        self._step_times: deque[float] = deque(maxlen=50)
+
+    def use(self, config: IntervalConfig) -> None:
+        self.config = config
+        if config.every_n_steps == "auto":
+            self._planner = AdaptiveInterval(
+                mtbf_s=None if config.mtbf_hours is None else config.mtbf_hours * 3600.0,
+                world_size=self._manager.world_size,
+                min_s=config.min_interval_s,
+                max_s=config.max_interval_s,
+            )
+
+    def state(self) -> dict[str, Any]:
+        """What the ``"auto"`` interval must keep across a restart (so it does not warm up again)."""
+        return {"next_step": self._next_step, "interval_steps": self._steps}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        if self._planner is not None and state.get("interval_steps"):
+            self._steps = int(state["interval_steps"])
+            self._restored_next_step = int(state["next_step"])
+
+    def start(self, step: int) -> None:
+        """Training begins at ``step``: the first ``"auto"`` save is the restored plan's, or after the warm-up."""
+        self._next_step = self._restored_next_step or step + (self.config.warmup_steps if self.config else 0)
+
+    def step_took(self, seconds: float) -> None:
+        self._step_times.append(seconds)
+
+    def save_started(self) -> None:
+        self._saves += 1
+
+    def stalled(self, seconds: float) -> None:
+        self._cost_s += seconds
+
+    def due(self, step: int) -> bool:
+        """Whether the boundary of ``step`` saves (the same answer on every rank)."""
+        config = self.config
+        if config is None or config.every_n_steps is None or step <= 0:
+            return False
+        if self._planner is None:
+            return step % int(config.every_n_steps) == 0
+        return step >= self._next_step
+
+    def replan(self, step: int, run_so_far: RunSoFar) -> None:
+        """After the interval save of ``step``: with ``"auto"``, plan the next one from what saves cost so far."""
+        if self._planner is None or self.config is None:
+            return
+        planner, cost, saves = self._planner, self._cost_s, self._saves
+        step_s = statistics.median(self._step_times) if self._step_times else None
+
+        def plan() -> IntervalPlan:
+            if saves:
+                planner.observe_cost(cost / saves)
+            run = run_so_far()
+            if run is not None:
+                planner.observe_run(*run)
+            return planner.plan(step_s=step_s)
+
+        chosen = self._manager.groups.control.decide(plan)
+        self._cost_s, self._saves = 0.0, 0
+        self._steps = chosen.interval_steps or self.config.warmup_steps
+        self._next_step = step + self._steps
+        self.last_plan = chosen
+        self._emit(chosen.metrics(self._steps))
+        if self._is_main:
+            log.info("every_n_steps='auto': the next save at step %d; %s", self._next_step, chosen.describe())

@@ -27,8 +27,9 @@ from resilience import CheckpointConfig, CheckpointManager
 from resilience.checkpoint.deal import holders, share_among
 from resilience.checkpoint.rng import capture_rng
 from resilience.checkpoint.tree import flatten
+from resilience.goodput import IntervalConfig
 from resilience.recovery.peer_loss import PeerLossConfig
-from resilience.session import IntervalConfig, SaveState, TrainingSession
+from resilience.session import SaveState, TrainingSession
 from tests.workers.reliability_reshard import assert_same, full_state, restore, sharded_state, train_step
 from tests.workers.victim import die_after_boundary
 

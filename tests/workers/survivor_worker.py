@@ -37,10 +37,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.checkpoint.rng import capture_rng
+from resilience.goodput import IntervalConfig
 from resilience.health import HealthConfig
 from resilience.recovery import peer_loss
 from resilience.recovery.peer_loss import PeerLossConfig
-from resilience.session import IntervalConfig, SaveState, TrainingSession
+from resilience.session import SaveState, TrainingSession
 from tests.workers.victim import die_after_boundary
 
 STEPS = 12
