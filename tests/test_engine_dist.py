@@ -49,6 +49,15 @@ def test_reshard_one_to_two(tmp_path: Path) -> None:
     assert all("LOADED 4 local 1" in out for out in outputs)
 
 
+def test_helpers_rested_on_two_ranks_start_again_at_the_next_save(tmp_path: Path) -> None:
+    """Rank 0 hosts the helpers' store once; every rank's next helper group meets there again (before, the ranks
+    without the store tried to set one up again, a collective rank 0 never joined)."""
+    outputs = run("rest", tmp_path, 2)
+    assert all("RESTED 2" in out for out in outputs)
+    outputs = run("load", tmp_path, 2, env={"TEST_EXPECT_STEP": "2"})
+    assert all("LOADED 2 local 2" in out for out in outputs)
+
+
 def test_skip_decision_is_the_same_on_every_rank(tmp_path: Path) -> None:
     outputs = run("busy", tmp_path, 2)
     assert all("BUSY 1" in out for out in outputs)

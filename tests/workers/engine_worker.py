@@ -96,6 +96,16 @@ def main() -> None:
             check_restored(restored, target, want, rank, mesh)
         print("LOADED", restored.step, restored.tier, restored.manifest.world_size)
 
+    elif scenario == "rest":
+        # Saves, rests (helpers ended, as at the end of a Lightning fit), saves again: every rank starts a new
+        # helper, and they must form their group again through the store rank 0 already hosts.
+        with CheckpointManager(config(args, persist="process")) as manager:
+            manager.save(1, state_for(1, mesh), {"rank": torch.tensor([rank * 1000 + 1])})
+            assert manager.rest()
+            manager.save(2, state_for(2, mesh), {"rank": torch.tensor([rank * 1000 + 2])})
+            manager.wait()
+        print("RESTED", manager.stats.saves)
+
     elif scenario == "busy":
         # Rank 1's writer is slow; the skip decision must still be the same on both ranks.
         gate = threading.Event()
