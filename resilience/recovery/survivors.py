@@ -32,7 +32,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate
 
-from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.checkpoint.staging import HostStager
 from resilience.checkpoint.tree import flatten, tree_key
 from resilience.errors import CheckpointError, describe
