@@ -73,9 +73,10 @@ class HashedFileSystem(TierFileSystem):
     maps each finished file's name (relative to its folder) to its :class:`Written`. Without ``record_crcs`` the
     entries' zip records carry no CRC-32 (:func:`resilience.persist.direct_io._no_zip_crcs`)."""
 
+    tier: LocalTier
+
     def __init__(self, tier: LocalTier, *, direct: bool, fsync: bool, record_crcs: bool = False) -> None:
         super().__init__(tier)
-        self.local = tier
         self.direct = direct
         self.fsync = fsync
         self.record_crcs = record_crcs
@@ -92,7 +93,7 @@ class HashedFileSystem(TierFileSystem):
         def done(written: Written) -> None:
             self.written[name] = written
 
-        stream = self.local.open_hashed(os.fspath(path), done, direct=self.direct, fsync=self.fsync)
+        stream = self.tier.open_hashed(os.fspath(path), done, direct=self.direct, fsync=self.fsync)
         try:
             # DCP writes every entry of the file inside this block, in this thread
             with contextlib.nullcontext() if self.record_crcs else direct_io._no_zip_crcs():

@@ -143,7 +143,8 @@ class Tier:
         self.fs.pipe_file(path, data)
 
     def makedirs(self, path: str) -> None:
-        """Make the directory ``path`` and its parents, if missing (nothing to make on object stores)."""
+        """Make the directory ``path`` and its parents, if missing. Callers skip object stores: they have no
+        directories, and there this could make a bucket, which the engine never does."""
         self.fs.makedirs(path, exist_ok=True)
 
     def rename(self, path: str, new_path: str) -> None:
