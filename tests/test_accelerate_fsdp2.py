@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from resilience.checkpoint.loader import load_dcp_metadata
+from resilience.checkpoint.safe_reads import load_dcp_metadata
 from resilience.storage import catalog
 from resilience.storage.tiers import LocalTier
 from tests.helpers import free_port

@@ -27,7 +27,9 @@ from resilience.formats.export import write_name
 from resilience.persist import direct_io
 from resilience.persist.direct_io import ALIGN, CHUNK, HashedFileStream, Written
 from resilience.storage import proofs
+from resilience.storage.dcp_fs import HashedFileSystem
 from resilience.storage.manifest import Manifest, hash_bytes, hash_stream
+from resilience.storage.tiers import LocalTier
 
 SIZES = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 12345]
 
@@ -105,7 +107,7 @@ def test_a_file_system_refusing_o_direct_at_open_or_at_write_gets_buffered_write
 def test_a_writer_that_failed_reports_nothing_and_the_file_is_hashed_from_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fs = direct_io.HashedFileSystem(direct=True, fsync=False)
+    fs = HashedFileSystem(LocalTier(tmp_path), direct=True, fsync=False)
     with pytest.raises(RuntimeError, match="serializer broke"), fs.create_stream(tmp_path / "torn", "wb") as stream:
         stream.write(b"a" * (CHUNK + 1))
         raise RuntimeError("serializer broke")

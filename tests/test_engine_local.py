@@ -76,7 +76,8 @@ def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_pla
     """DCP reads a tensor into new memory and copies it into its target: for a target the loader made itself that
     copy (and the memory it fills) is skipped, and the tensor read is the result; a caller's target, or one read in
     pieces, is filled in place as before."""
-    from resilience.checkpoint.loader import load_dcp_metadata, read_tensors
+    from resilience.checkpoint.loader import read_tensors
+    from resilience.checkpoint.safe_reads import load_dcp_metadata
     from resilience.storage import catalog
 
     state = {"big": torch.randn(300, 300), "tiny": torch.arange(5.0), "half": torch.randn(4, 8)}

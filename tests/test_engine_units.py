@@ -345,8 +345,10 @@ def test_a_long_read_says_it_is_still_going(caplog: pytest.LogCaptureFixture) ->
 def test_a_load_counts_the_bytes_it_reads(tmp_path: Path) -> None:
     """What the restore's progress line says it has read: every tensor byte of the step, from its shards."""
     from resilience import CheckpointConfig, CheckpointManager
-    from resilience.checkpoint.loader import ReadCounter, load_dcp_metadata, read_tensors
+    from resilience.checkpoint.loader import read_tensors
+    from resilience.checkpoint.safe_reads import load_dcp_metadata
     from resilience.storage import catalog
+    from resilience.storage.dcp_fs import ReadCounter
     from resilience.storage.tiers import LocalTier
 
     state = {"w": torch.randn(512, 512), "b": torch.randn(7)}

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.checkpoint.tree import flatten
 from resilience.errors import IncompatibleStateError
 from resilience.formats.export import read_committed, write_file_atomically

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from resilience.recovery.inplace import Target
-from resilience.recovery.launcher import auto_preload
+from resilience.recovery.launch_config import auto_preload
 from resilience.storage.owners import process_start_ticks
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 

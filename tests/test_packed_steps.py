@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from resilience.checkpoint.loader import MetadataUnpickler
 from resilience.checkpoint.packing import PackLayout
+from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.cli import main as cli
 from resilience.storage import manifest as manifest_module
 from resilience.storage.catalog import scan

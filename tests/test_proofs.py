@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.checkpoint import loader
-from resilience.storage import catalog, proofs
+from resilience.storage import catalog, dcp_fs, proofs
 from resilience.storage.layout import proof_file
 from resilience.storage.manifest import FileEntry
 
@@ -153,7 +152,7 @@ def test_a_durable_resume_reads_this_nodes_proven_shards_locally_without_hashing
     (local / "step-3" / "manifest.json").unlink()
     names = {p.name for p in shards(local, 3)}
     assert len(names) >= 1
-    hashed = counting(monkeypatch, loader, "hash_stream")
+    hashed = counting(monkeypatch, dcp_fs, "hash_stream")
     caplog.set_level(logging.INFO, logger="resilience.checkpoint.loader")
     with CheckpointManager(CheckpointConfig(local, durable_url=durable)) as m:
         restored = m.load()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.safe_reads import MetadataUnpickler
 from tests.helpers import WORKERS, check_ranks, kill_tree, run_ranks, start_ranks
 
 WORKER = WORKERS / "survivor_worker.py"

@@ -3,28 +3,22 @@
 DCP reshards: tensors given in the target (plain or DTensor) are filled in place with the part this rank
 needs; tensors the target does not have are read whole on CPU (DCP's metadata gives their shapes), each
 taken as ``torch.load`` made it rather than copied once more into memory allocated for it. Everything read
-from storage is checked before it is parsed: the manifest is validated JSON, ``.metadata`` must match its
-checksum and is unpickled with an allow-list of DCP's own classes, shards are read by ``torch.load`` with
-``weights_only=True``.
+from storage is checked before it is parsed: the manifest is validated JSON, the small files are read by
+:mod:`resilience.checkpoint.safe_reads` (``.metadata`` unpickled with an allow-list of DCP's own classes), shards
+are read by ``torch.load`` with ``weights_only=True``, through :class:`~resilience.storage.dcp_fs.LoadFileSystem`.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import os
-import pickle
-import tempfile
-from collections.abc import Collection, Generator
-from contextlib import contextmanager
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner import LoadPlan as DcpLoadPlan
@@ -32,12 +26,14 @@ from torch.futures import Future
 
 from resilience.checkpoint import packing
 from resilience.checkpoint.packing import PackLayout
+from resilience.checkpoint.safe_reads import load_dcp_metadata, load_packs, load_skeleton
 from resilience.checkpoint.tree import TAG, flatten, tensor_keys, unflatten
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.persist.direct_io import Window
-from resilience.storage.catalog import Entry, check_file
-from resilience.storage.layout import DCP_METADATA, PACKS_FILE, STATE_FILE, rank_state_file
-from resilience.storage.manifest import FileEntry, Manifest, hash_bytes, hash_stream
+from resilience.storage.catalog import Entry
+from resilience.storage.dcp_fs import LoadFileSystem, LocalCopy, ReadCounter
+from resilience.storage.layout import STATE_FILE, rank_state_file
+from resilience.storage.manifest import Manifest
 from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import Tier
 
@@ -57,249 +53,7 @@ class Restored:
     timings: dict[str, float] = field(default_factory=dict)  # the load's parts (CheckpointManager.load)
 
 
-# ---- safe reads --------------------------------------------------------------------------------------------
-
-
-def read_verified(entry: Entry, name: str) -> bytes:
-    """The bytes of a small file of the checkpoint, after its size and checksum match the manifest."""
-    assert entry.manifest is not None
-    item = entry.manifest.file(name)
-    if item is None:
-        raise CorruptCheckpointError(f"{entry.where()}: the manifest does not list {name}", step=entry.step)
-    data = entry.tier.read_bytes(f"{entry.path}/{name}")
-    if len(data) != item.size or hash_bytes(data) != item.xxh3_64:
-        raise CorruptCheckpointError(
-            f"{entry.where()}: {name} does not match its size/checksum in the manifest",
-            step=entry.step,
-            tier=entry.tier.name,
-            path=name,
-        )
-    return data
-
-
-# No BytesStorageMetadata: the engine saves tensors only, and DCP reads "bytes" entries with
-# torch.load(weights_only=False), which would run a pickle from a shard.
-_DCP_METADATA_CLASSES = (
-    "ChunkStorageMetadata",
-    "Metadata",
-    "MetadataIndex",
-    "StorageMeta",
-    "TensorProperties",
-    "TensorStorageMetadata",
-    "_MEM_FORMAT_ENCODING",
-)
-_ALLOWED_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA_CLASSES),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` with an exact allow-list: DCP's metadata classes, dtypes, sizes, paths.
-
-    Anything else (a function to call, a class with side effects) is refused, so even a tampered file
-    with a matching checksum cannot run code here.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-def load_dcp_metadata(entry: Entry) -> Metadata:
-    data = read_verified(entry, DCP_METADATA)
-    try:
-        metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata is not readable ({exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata holds a {type(metadata).__name__}")
-    _check_metadata(entry, metadata)
-    return metadata
-
-
-def _check_metadata(entry: Entry, metadata: Metadata) -> None:
-    """DCP trusts its metadata to name what to read and where: hold it to what the engine writes.
-
-    A tampered ``.metadata`` with a matching checksum could otherwise point reads at files outside the
-    checkpoint (another step's shards, any file the process can read) or declare a non-tensor entry.
-    """
-    assert entry.manifest is not None
-    shards = {item.path for item in entry.manifest.files if item.kind == "shard"}
-    for key, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise CorruptCheckpointError(
-                f"{entry.where()}: DCP metadata entry {key!r} is a {type(md).__name__}, not a tensor", step=entry.step
-            )
-    if not isinstance(metadata.storage_data, dict):
-        raise CorruptCheckpointError(f"{entry.where()}: DCP metadata has no map of its files", step=entry.step)
-    for info in metadata.storage_data.values():
-        path = getattr(info, "relative_path", None)
-        if path not in shards:
-            raise CorruptCheckpointError(
-                f"{entry.where()}: DCP metadata points at {path!r}, which is not a shard the manifest lists",
-                step=entry.step,
-            )
-
-
-def load_skeleton(entry: Entry, name: str) -> Any:
-    data = read_verified(entry, name)
-    try:
-        return json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{entry.where()}: {name} is not JSON ({type(exc).__name__}: {exc})") from exc
-
-
-# ---- DCP plumbing ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class LocalCopy:
-    """The files of a durable checkpoint that this node's local tier still holds unchanged.
-
-    On node-local disks no local copy is complete (each node holds its own ranks' files), so a resume loads
-    the durable checkpoint; after a whole-job restart, though, the shards a node wrote are still on its disk,
-    and reading them there spares the durable tier (and the network) most of the load. A file counts only if
-    its size and checksum match the durable manifest: another save of the same step (an abandoned branch, a
-    crashed attempt) must not load as this one; with ``proofs``, a file this node hashed to that checksum at
-    commit and that nothing has touched since counts without hashing it again. Anything else is read from the
-    durable tier.
-    """
-
-    tier: Tier
-    path: str
-    files: dict[str, FileEntry]
-    proofs: Proofs | None = None
-    checked: dict[str, bool] = field(default_factory=dict)
-
-    def holds(self, name: str) -> bool:
-        if name not in self.checked:
-            self.checked[name] = self._matches(name)
-        return self.checked[name]
-
-    def _matches(self, name: str) -> bool:
-        item = self.files.get(name)
-        if item is None:
-            return False
-        if self.proofs is not None and self.proofs.holds(item):
-            return True
-        try:
-            with self.tier.open(f"{self.path}/{name}") as stream:
-                digest, size = hash_stream(stream)
-        except OSError:
-            return False
-        return size == item.size and digest == item.xxh3_64
-
-
-SPOOL_BYTES = 64 << 20  # a checked copy stays in memory up to this size, then goes to a temporary file
-
-
-@contextmanager
-def _checked_copy(entry: Entry, item: FileEntry) -> Generator[IO[bytes], None, None]:
-    """The file, read once into a private copy and checked against its manifest entry before DCP parses any of it.
-
-    For shards whose checksum was not verified before the load (``verify="auto"`` checks the durable tier's by
-    size, since hashing them first would download each twice): the copy is what DCP reads, so the bytes checked
-    are the bytes loaded, and corrupt ones never are.
-    """
-    with tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES) as copy:
-        check_file(entry, item, copy_to=copy)
-        copy.seek(0)
-        yield copy
-
-
-class ReadCounter:
-    """Bytes read so far by a load, for a progress line (read from another thread: an int is enough)."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-
-class _Counted(io.RawIOBase):
-    """A stream whose reads add to a :class:`ReadCounter`; everything else goes to the stream."""
-
-    def __init__(self, stream: Any, read: ReadCounter):
-        self.stream = stream
-        self.counter = read
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return bool(self.stream.seekable())
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return int(self.stream.seek(offset, whence))
-
-    def tell(self) -> int:
-        return int(self.stream.tell())
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.stream.read(size)
-        self.counter.bytes += len(data)
-        return bytes(data)
-
-    def readinto(self, buffer: Any) -> int:
-        count = int(self.stream.readinto(buffer))
-        self.counter.bytes += count
-        return count
-
-
-class _TierFileSystem(FileSystemBase):
-    """DCP's file-system interface, for reading only, over a tier's fsspec filesystem (and a local copy)."""
-
-    def __init__(
-        self, tier: Tier, root: str, local: LocalCopy | None, check: Entry | None, read: ReadCounter | None = None
-    ):
-        self.tier = tier
-        self.root = root
-        self.local = local
-        self.check = check
-        self.read = read
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "rb":
-            raise ValueError("checkpoint tiers are opened read-only while loading")
-        name = os.fspath(path).removeprefix(f"{self.root}/")
-        if self.local is not None and self.local.holds(name):
-            opened: Any = self.local.tier.open(f"{self.local.path}/{name}")
-        elif self.check is not None and (item := self.check.manifest.file(name)) is not None:  # type: ignore[union-attr]
-            opened = _checked_copy(self.check, item)
-        else:
-            opened = self.tier.open(os.fspath(path))
-        with opened as stream:
-            yield stream if self.read is None else _Counted(stream, self.read)
-
-    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
-        return f"{os.fspath(path)}/{suffix}"
-
-    def init_path(self, path: str | os.PathLike[str]) -> str:
-        return os.fspath(path)
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        raise NotImplementedError
-
-    def mkdir(self, path: str | os.PathLike[str]) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return True
-
-    def exists(self, path: str | os.PathLike[str]) -> bool:
-        return self.tier.exists(os.fspath(path))
-
-    def rm_file(self, path: str | os.PathLike[str]) -> None:
-        raise NotImplementedError
+# ---- reading the shards ------------------------------------------------------------------------------------
 
 
 class _VerifiedReader(FileSystemReader):
@@ -321,7 +75,7 @@ class _VerifiedReader(FileSystemReader):
         read: ReadCounter | None = None,
     ):
         super().__init__(entry.path)
-        self.fs = _TierFileSystem(entry.tier, entry.path, local, entry if check_reads else None, read)  # type: ignore[assignment]
+        self.fs = LoadFileSystem(entry.tier, entry.path, local, entry if check_reads else None, read)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
         self.adoptable = adoptable or {}
@@ -383,22 +137,6 @@ class LoadPlan:
     packed: list[str] = field(default_factory=list)  # keys read out of packs after DCP has filled them
     pack_targets: dict[str, torch.Tensor] = field(default_factory=dict)
     allocated: set[str] = field(default_factory=set)  # keys of tensors made here, not given by the caller
-
-
-def load_packs(entry: Entry, metadata: Metadata) -> PackLayout | None:
-    """The checkpoint's ``packs.json``, checked against its manifest entry and DCP's metadata (None: no packs)."""
-    assert entry.manifest is not None
-    if entry.manifest.file(PACKS_FILE) is None:
-        return None
-    layout = PackLayout.from_json(load_skeleton(entry, PACKS_FILE), where=entry.where(), step=entry.step)
-    for pack, size in layout.sizes.items():
-        md = metadata.state_dict_metadata.get(pack)
-        as_bytes = isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.uint8
-        if not (as_bytes and list(md.size) == [size]):  # type: ignore[union-attr]
-            raise CorruptCheckpointError(
-                f"{entry.where()}: pack {pack!r} is not in the DCP metadata as {size} bytes", step=entry.step
-            )
-    return layout
 
 
 def plan_load(
@@ -480,9 +218,9 @@ def run_load(
     """Read the shards (collective when distributed) and rebuild the trees.
 
     With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
-    are read there (:class:`LocalCopy`; with ``trust_proofs``, known unchanged by this node's proofs when they
-    hold). ``check_reads``: shards were not hashed before the load; each is checked as it is read
-    (:func:`_checked_copy`). ``read`` counts the bytes read as they come.
+    are read there (:class:`~resilience.storage.dcp_fs.LocalCopy`; with ``trust_proofs``, known unchanged by this
+    node's proofs when they hold). ``check_reads``: shards were not hashed before the load; each is checked as it
+    is read (:class:`~resilience.storage.dcp_fs.LoadFileSystem`). ``read`` counts the bytes read as they come.
     """
     assert entry.manifest is not None
     copy = None

@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from resilience.checkpoint import packing
-from resilience.checkpoint.loader import load_dcp_metadata, load_packs, load_skeleton, read_tensors
+from resilience.checkpoint.loader import read_tensors
+from resilience.checkpoint.safe_reads import load_dcp_metadata, load_packs, load_skeleton
 from resilience.checkpoint.tree import tensor_keys, unflatten
 from resilience.errors import CorruptCheckpointError
 from resilience.storage.catalog import Entry

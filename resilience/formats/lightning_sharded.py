@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.dcp_view import placeholders, write_view
-from resilience.checkpoint.loader import load_skeleton, plan_load, run_load
+from resilience.checkpoint.loader import plan_load, run_load
+from resilience.checkpoint.safe_reads import load_skeleton
 from resilience.checkpoint.tree import unflatten
 from resilience.formats.export import committed_entry
 from resilience.formats.lightning_ckpt import as_name

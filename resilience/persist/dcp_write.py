@@ -28,7 +28,8 @@ from torch.futures import Future
 from resilience import __version__
 from resilience.persist import tensor_records
 from resilience.persist.direct_io import Written
-from resilience.persist.hashed_fs import HashedFileSystem
+from resilience.storage.dcp_fs import HashedFileSystem
+from resilience.storage.tiers import LocalTier
 
 
 class PiecePlanner(DefaultSavePlanner):
@@ -56,15 +57,16 @@ class PiecePlanner(DefaultSavePlanner):
 
 class RecordingWriter(FileSystemWriter):
     """FileSystemWriter that remembers which files this rank wrote, so each rank hashes only its own, and
-    writes them through :class:`~resilience.persist.hashed_fs.HashedFileSystem`: past the page cache with ``direct``,
-    synced as each file closes with ``sync_files``, hashed on the way out (:attr:`hashes`)."""
+    writes them through :class:`~resilience.storage.dcp_fs.HashedFileSystem` into the folder ``path`` (a local
+    tier of its own): past the page cache with ``direct``, synced as each file closes with ``sync_files``, hashed on
+    the way out (:attr:`hashes`)."""
 
     def __init__(
         self, path: str, *, direct: bool = False, sync_files: bool = True, record_crcs: bool = False, **kwargs: Any
     ):
         super().__init__(path, sync_files=False, **kwargs)  # our streams sync themselves as they close
-        self.files = HashedFileSystem(direct=direct, fsync=sync_files, record_crcs=record_crcs)
-        self.fs = self.files
+        self.files = HashedFileSystem(LocalTier(path), direct=direct, fsync=sync_files, record_crcs=record_crcs)
+        self.fs = self.files  # type: ignore[assignment]
         self.written: set[str] = set()
 
     @property

@@ -186,16 +186,6 @@ class HashedFileStream(io.IOBase):
             self._direct = False
 
 
-def __getattr__(name: str) -> Any:
-    """``HashedFileSystem`` is imported from :mod:`resilience.persist.hashed_fs` only when asked for: it subclasses
-    DCP's file system, whose import takes seconds that a reader of checkpoints (``resilience ls``) need not pay."""
-    if name == "HashedFileSystem":
-        from resilience.persist.hashed_fs import HashedFileSystem
-
-        return HashedFileSystem
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def _no_zip_crcs() -> contextlib.AbstractContextManager[Any]:
     """``torch.save`` in this thread, meanwhile, writes no CRC-32 into its zip records. torch computes it at about
     1.5 GB/s (a second of CPU per 1.6 GB save, in the shard's writer), and nothing reads it: ``torch.load`` does

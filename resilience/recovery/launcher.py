@@ -17,10 +17,8 @@ Several nodes: one launcher per node, sharing node 0's store (``--nnodes``, ``--
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
 import os
@@ -28,21 +26,18 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from resilience.errors import ConfigError
 from resilience.recovery.inplace import (
     ENV_BEGAN,
     ENV_GENERATION,
     ENV_LAUNCHER_PID,
     ENV_STOP_CODES,
     ENV_STORE,
-    EXIT_CONFIG_ERROR,
     Generation,
     Target,
     evict_key,
@@ -53,114 +48,17 @@ from resilience.recovery.inplace import (
     ready_key,
     waiting_key,
 )
+from resilience.recovery.launch_config import LaunchConfig, auto_preload
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-@dataclass
-class LaunchConfig:
-    """How ``resilience launch`` runs one node's ranks of a job.
-
-    Attributes:
-        nproc_per_node: Ranks on this node.
-        nnodes: Nodes in the job, one launcher on each; the world size is ``nnodes * nproc_per_node``.
-        node_rank: This node's number (0 to ``nnodes - 1``); node 0's launcher hosts the job's store and decides
-            each generation, and its host runs rank 0, whose address is the ranks' rendezvous.
-        rdzv_endpoint: ``host:port`` of node 0's launcher store (every node passes the same); default with one
-            node: ``master_addr`` and a free port.
-        max_restarts: How many times the job may restart (a new generation: the lost ranks replaced, the others
-            running their script again in place); one more failure ends the job with the lost rank's exit code.
-        spares: Warm processes kept ready on this node to take a lost rank (0: a replacement starts cold, paying
-            the interpreter and imports, 2 to 6 s with torch and a framework).
-        spare_delay_s: After a restart, how long this node waits before it starts the spare that replaces the one
-            taken: the new process's interpreter and imports (seconds of CPU) would otherwise compete for the
-            node's cores with the ranks' restart (on 2 cores: 2.9-3.1 s from kill to first step, against 2.5-2.9
-            s with the wait). A second failure within it gets a replacement started cold.
-        preload: Modules a spare imports before it is given a rank; ``"auto"``: the third-party modules the script
-            imports (read from its source, never the user's own, whose import may depend on the rank).
-        stop_codes: Exit codes that end the job: the other ranks leave too, with the same code, and so does the
-            launcher (69: a GPU fault, move the job; 75: preempted, run it again; 2: a usage or configuration
-            error, which running the same command again cannot fix).
-        stop_grace_s: After one rank's agreed stop, how long the others may take to leave before they are killed.
-        recovery_timeout_s: After a rank is lost, how long the others may take to end their generation (their
-            survivor save included) before they are killed and replaced too; a node whose launcher does not
-            answer within it (a node lost whole) ends the job with 75, for the scheduler to run it again.
-        master_addr: This node's address for the store and, on node 0, for the ranks' rendezvous.
-    """
-
-    nproc_per_node: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    max_restarts: int = 3
-    spares: int = 1
-    spare_delay_s: float = 10.0
-    preload: str = "auto"
-    stop_codes: tuple[int, ...] = (EXIT_CONFIG_ERROR, 69, 75)
-    stop_grace_s: float = 120.0
-    recovery_timeout_s: float = 120.0
-    master_addr: str = "127.0.0.1"
-
-    def __post_init__(self) -> None:
-        if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ConfigError(f"nproc_per_node={self.nproc_per_node}, nnodes={self.nnodes}: use 1 or more")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node_rank={self.node_rank}: use 0 to nnodes - 1 ({self.nnodes - 1})")
-        if self.nnodes > 1 and self.rdzv_endpoint is None:
-            raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT, node 0's address and a free port")
-        if self.max_restarts < 0 or self.spares < 0 or self.spare_delay_s < 0:
-            raise ConfigError(
-                f"max_restarts={self.max_restarts}, spares={self.spares}, spare_delay_s={self.spare_delay_s}: use 0 "
-                "or more"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.nnodes * self.nproc_per_node
-
-    def ranks(self) -> range:
-        """This node's global ranks."""
-        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
-
-
 def free_port(host: str) -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def auto_preload(target: Target) -> list[str]:
-    """The top-level modules ``target`` imports that are installed libraries (the standard library's and
-    site-packages'), in source order; the user's own modules stay out of a spare (their import may read the
-    rank from the environment)."""
-    path = target.path
-    if path is None:
-        assert target.module is not None
-        spec = importlib.util.find_spec(target.module)
-        path = spec.origin if spec is not None else None
-    if path is None or not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as stream:
-        tree = ast.parse(stream.read(), path)
-    libraries = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib", "stdlib")}
-    found: list[str] = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module]
-        for name in names:
-            if name in found:
-                continue
-            with contextlib.suppress(Exception):
-                spec = importlib.util.find_spec(name.split(".")[0])
-                origin = os.path.realpath(spec.origin) if spec is not None and spec.origin else ""
-                if any(origin.startswith(root + os.sep) for root in libraries):
-                    found.append(name)
-    return found
 
 
 @dataclass
@@ -556,4 +454,4 @@ def launch(args: argparse.Namespace) -> int:
     return Launcher(config, target).run()
 
 
-__all__ = ["LaunchConfig", "Launcher", "auto_preload", "launch"]
+__all__ = ["Launcher", "launch"]

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from resilience.checkpoint.deal import deal_digest, share_among, split_by_origin
-from resilience.checkpoint.loader import MetadataUnpickler
+from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.checkpoint.staging import HostStager
 from resilience.checkpoint.tree import flatten
 from resilience.errors import CheckpointError, describe

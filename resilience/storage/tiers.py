@@ -8,6 +8,9 @@
 
 The one operation that matters for correctness is :meth:`Tier.write_exclusive`, which makes a manifest appear
 whole and at most once (a rename-free ``link()`` on POSIX, a conditional single PUT on object stores).
+
+DCP reads and writes checkpoints through tiers too: :mod:`resilience.storage.dcp_fs` gives it a tier as its
+file-system interface (kept apart because importing DCP takes seconds that ``resilience ls`` need not pay).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from resilience.errors import ConfigError
-from resilience.persist.direct_io import open_for_read
+from resilience.persist.direct_io import HashedFileStream, Written, open_for_read
 from resilience.storage.layout import PROBE_PREFIX, parse_step_dirname, step_dirname
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,15 @@ class Tier:
         part (one PUT on object stores). For small records a single writer rewrites (beats, writer markers)."""
         self.fs.pipe_file(path, data)
 
+    def makedirs(self, path: str) -> None:
+        """Make the directory ``path`` and its parents, if missing. Callers skip object stores: they have no
+        directories, and there this could make a bucket, which the engine never does."""
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rename(self, path: str, new_path: str) -> None:
+        """Move a file to ``new_path`` (on object stores a copy and a delete, so a prefix is never moved whole)."""
+        self.fs.mv(path, new_path)
+
     def forget(self, path: str) -> None:
         """Drop what the filesystem object remembers of listings under ``path`` (s3fs caches them), so that the
         next listing sees what other processes wrote since."""
@@ -190,6 +202,7 @@ class Tier:
 
     def _prepare_root(self) -> None:
         """Make the root exist before the probe (a directory locally; nothing on object stores)."""
+        self.makedirs(self.root)
 
     def _access_message(self, what: str, exc: BaseException) -> str:
         text = f"{type(exc).__name__}: {exc}"
@@ -244,6 +257,12 @@ class LocalTier(Tier):
             return open_for_read(path)
         return super().open(path, mode)
 
+    def open_hashed(self, path: str, done: Callable[[Written], None], *, direct: bool, fsync: bool) -> HashedFileStream:
+        """A new file hashed as it is written (:class:`~resilience.persist.direct_io.HashedFileStream`): past the
+        page cache with ``direct``, synced as it closes with ``fsync``; ``done`` hears its :class:`Written` once it
+        is whole, so a commit's checksums cost no second read of what was just written."""
+        return HashedFileStream(path, direct=direct, fsync=fsync, done=done)
+
     def write_exclusive(self, path: str, data: bytes, *, fsync: bool = True) -> None:
         write_local_exclusive(path, data, fsync=fsync)
 
@@ -251,15 +270,13 @@ class LocalTier(Tier):
         replace_local(path, data)
 
     def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.makedirs(os.path.dirname(path))
         super().put_file(local_path, path, callback)
 
     def rename(self, path: str, new_path: str) -> None:
-        os.makedirs(os.path.dirname(new_path), exist_ok=True)
+        """One ``rename(2)``: a directory moves whole and at once."""
+        self.makedirs(os.path.dirname(new_path))
         os.rename(path, new_path)
-
-    def _prepare_root(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
 
 
 class DurableTier(Tier):
@@ -331,16 +348,16 @@ class DurableTier(Tier):
 
     def put_file(self, local_path: str, path: str, callback: Callback | None = None) -> None:
         if self.is_local:  # object stores have no directories; a local destination needs its parent
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            self.makedirs(path.rsplit("/", 1)[0])
         super().put_file(local_path, path, callback)
 
     def rename_manifest(self, path: str, new_path: str) -> None:
         """Take a manifest out of discovery (a prefix cannot be moved atomically on object stores)."""
-        self.fs.mv(path, new_path)
+        self.rename(path, new_path)
 
     def _prepare_root(self) -> None:
         if not self.is_object_store:
-            self.fs.makedirs(self.root, exist_ok=True)
+            super()._prepare_root()
             return
         bucket = self.root.split("/", 1)[0]
         try:
