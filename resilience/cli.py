@@ -286,6 +286,36 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _add_export(sub: Any) -> None:
+    """``resilience export``'s options: the most of any command."""
+    export = sub.add_parser(
+        "export", help="write a committed step as a Lightning .ckpt, a torch.save state dict or safetensors"
+    )
+    export.add_argument("root", metavar="ROOT", help="checkpoint root (directory or fsspec URL), or a step-<N> folder")
+    export.add_argument(
+        "out",
+        metavar="OUT",
+        help="file to write; safetensors: FILE.safetensors is one file, any other name a directory in "
+        "save_pretrained's layout (shards and an index above --max-shard-size)",
+    )
+    export.add_argument("--format", required=True, choices=("lightning", "torch", "safetensors"))
+    export.add_argument("--step", type=int, help="this step (default: the newest committed one)")
+    export.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler, callback state")
+    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the model's floating-point weights")
+    export.add_argument("--model", type=int, default=0, help="Accelerate: which prepared model (prepare order)")
+    export.add_argument("--weights", metavar="PATH", help="path of the model's state dict in the saved state (a/b/c)")
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="safetensors: split files above this, into a directory (default 5GB)"
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote at OUT")
+    export.add_argument("--allow-pickle", action="store_true", help="decode state values stored as pickles")
+    export.add_argument("--progress", action="store_true", help="show tensor bytes read on stderr")
+    export.add_argument(
+        "--storage-option", action="append", default=[], metavar="NAME=VALUE", help="fsspec option for URLs"
+    )
+    export.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="resilience",
@@ -329,32 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     upload.set_defaults(func=cmd_upload)
 
-    export = sub.add_parser(
-        "export", help="write a committed step as a Lightning .ckpt, a torch.save state dict or safetensors"
-    )
-    export.add_argument("root", metavar="ROOT", help="checkpoint root (directory or fsspec URL), or a step-<N> folder")
-    export.add_argument(
-        "out",
-        metavar="OUT",
-        help="file to write; safetensors: FILE.safetensors is one file, any other name a directory in "
-        "save_pretrained's layout (shards and an index above --max-shard-size)",
-    )
-    export.add_argument("--format", required=True, choices=("lightning", "torch", "safetensors"))
-    export.add_argument("--step", type=int, help="this step (default: the newest committed one)")
-    export.add_argument("--weights-only", action="store_true", help="leave out optimizer, scheduler, callback state")
-    export.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast the model's floating-point weights")
-    export.add_argument("--model", type=int, default=0, help="Accelerate: which prepared model (prepare order)")
-    export.add_argument("--weights", metavar="PATH", help="path of the model's state dict in the saved state (a/b/c)")
-    export.add_argument(
-        "--max-shard-size", default="5GB", help="safetensors: split files above this, into a directory (default 5GB)"
-    )
-    export.add_argument("--overwrite", action="store_true", help="replace what an earlier export wrote at OUT")
-    export.add_argument("--allow-pickle", action="store_true", help="decode state values stored as pickles")
-    export.add_argument("--progress", action="store_true", help="show tensor bytes read on stderr")
-    export.add_argument(
-        "--storage-option", action="append", default=[], metavar="NAME=VALUE", help="fsspec option for URLs"
-    )
-    export.set_defaults(func=cmd_export)
+    _add_export(sub)
 
     report = sub.add_parser("report", help="goodput of a run: where its wall time went, across restarts")
     report.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding goodput/ (or that folder itself)")
