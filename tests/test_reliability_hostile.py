@@ -1,6 +1,6 @@
 """Storage as hostile input: manifests, DCP's pickled ``.metadata``, state skeletons, pickled values, credentials.
 
-The trust model these tests pin down is written up in docs/RELIABILITY.md: the manifest is validated JSON
+The trust model these tests pin down is written up in docs/FORMAT.md ("Trust model"): the manifest is validated JSON
 and is read first; every other small file must match its checksum before it is parsed; ``.metadata`` goes
 through an allow-list unpickler; nothing else from storage is unpickled unless the user opts in.
 """
