@@ -4,10 +4,10 @@ The framework adapters take the engine's settings as constructor arguments, and 
 arguments' documentation from the class's ``__doc__`` (LightningCLI's ``--help`` through jsonargparse, Sphinx,
 ``help()``) or from the source. Written out again by hand in each adapter, the same text drifted from the
 engine's meaning. So an adapter names the config classes its arguments come from and writes only what differs
-for it (its own arguments, another default, another name) with :func:`documented_by`; ``python -m
-resilience.docstrings`` renders each section into the adapter's source, and a test fails when a written section
-differs from its rendering (an argument documented nowhere, a text changed in the engine). Nothing here imports
-a framework.
+for it (its own arguments, another default, another name) with :func:`documented_by`;
+``python tools/render_docstrings.py`` renders each section into the adapter's source, and a test fails when a
+written section differs from its rendering (an argument documented nowhere, a text changed in the engine).
+Nothing here imports a framework.
 """
 
 from __future__ import annotations
@@ -207,24 +207,3 @@ def write_section(cls: type) -> bool:
     with open(path, "w", encoding="utf-8") as out:
         out.write("".join(lines))
     return True
-
-
-def adapter_classes() -> list[type]:
-    """Every adapter class whose section comes from the engine configs (imports both frameworks' adapters)."""
-    from accelerate_resilience import ResiliencePlugin
-    from lightning_resilience import GoodputMonitor, HealthGuardCallback, PeriodicCheckpoint, ResilientCheckpointIO
-
-    return [ResilientCheckpointIO, HealthGuardCallback, PeriodicCheckpoint, GoodputMonitor, ResiliencePlugin]
-
-
-def main() -> None:
-    """Write every adapter's section into its source: after a config's field texts or an adapter changed."""
-    for cls in adapter_classes():
-        if write_section(cls):
-            print(f"rewrote {cls.__qualname__}'s Args section in {inspect.getsourcefile(cls)}")
-
-
-if __name__ == "__main__":  # python -m resilience.docstrings; as imported, the adapters' decorator is that module's
-    from resilience import docstrings
-
-    docstrings.main()

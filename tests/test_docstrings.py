@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -19,12 +21,27 @@ from lightning_resilience import (
     ResilientCheckpointIO,
 )
 from resilience.config import CheckpointConfig
-from resilience.docstrings import adapter_classes, args_doc, field_docs, parameters, render_args, written_section
+from resilience.docstrings import args_doc, field_docs, parameters, render_args, written_section
 from resilience.recovery.peer_loss import PeerLossConfig
 
 # The strategies take Lightning's own strategies' arguments (documented by Lightning), and ResilienceHandle is
 # made by attach(); these are the classes users configure the pack with.
 ADAPTER_CLASSES = [ResilientCheckpointIO, HealthGuardCallback, PeriodicCheckpoint, GoodputMonitor, AutoResume]
+RENDER = Path(__file__).resolve().parent.parent / "tools" / "render_docstrings.py"
+
+
+def rendered_classes() -> list[type]:
+    """The classes tools/render_docstrings.py writes the sections of (its list, not a copy of it)."""
+    spec = importlib.util.spec_from_file_location("render_docstrings", RENDER)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return list(tool.ADAPTERS)
+
+
+def test_every_class_with_a_rendered_section_is_in_the_tool() -> None:
+    recorded = [cls for cls in [*ADAPTER_CLASSES, ResiliencePlugin] if "__args_doc__" in cls.__dict__]
+    assert recorded and set(recorded) == set(rendered_classes())
 
 
 @pytest.mark.parametrize("cls", [*ADAPTER_CLASSES, ResiliencePlugin], ids=lambda cls: cls.__name__)
@@ -34,11 +51,11 @@ def test_every_argument_is_documented(cls: type) -> None:
     assert parameters(cls) and not missing, f"{cls.__name__}.__doc__ does not document {missing}"
 
 
-@pytest.mark.parametrize("cls", adapter_classes(), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("cls", rendered_classes(), ids=lambda cls: cls.__name__)
 def test_the_written_section_is_the_rendered_one(cls: type) -> None:
     rendered = args_doc(cls).render(cls)
     assert written_section(cls) == rendered, (
-        f"{cls.__name__}'s Args section differs from the engine configs' texts: run python -m resilience.docstrings"
+        f"{cls.__name__}'s Args section differs from the engine configs' texts: run python tools/render_docstrings.py"
     )
 
 
