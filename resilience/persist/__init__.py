@@ -7,11 +7,40 @@ Two pipelines do it, :class:`~resilience.persist.pipeline.Pipeline` (threads of 
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from resilience.errors import CheckpointError
     from resilience.persist.pipeline import WriteJob
+
+
+class Failures:
+    """The failures a pipeline keeps for the next save to raise: recorded from its background threads, taken by
+    the training thread, so every access holds the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: list[CheckpointError] = []
+
+    def add(self, error: CheckpointError) -> None:
+        with self._lock:
+            self._kept.append(error)
+
+    def kept_as(self, error: CheckpointError) -> CheckpointError:
+        """The kept failure with ``error``'s message, else ``error``: a failure that crossed from the helper twice
+        (kept, and failing its handle) is then one object, and raising it once also clears it."""
+        with self._lock:
+            return next((e for e in self._kept if str(e) == str(error)), error)
+
+    def discard(self, error: BaseException) -> None:
+        with self._lock:
+            self._kept = [e for e in self._kept if e is not error]
+
+    def take(self) -> list[CheckpointError]:
+        with self._lock:
+            kept, self._kept = self._kept, []
+        return kept
 
 
 class PersistPipeline(Protocol):
@@ -34,8 +63,12 @@ class PersistPipeline(Protocol):
         """Apply retention as after a commit, with the protected steps as of now (after the saves already submitted,
         where those run in another process): what a commit's retention had to keep may go."""
 
+    failures: Failures  # what both pipelines keep, and the two methods below read
+
     def discard_error(self, error: BaseException) -> None:
         """Forget ``error``, raised to the caller already (by its handle): the next save must not raise it again."""
+        self.failures.discard(error)
 
     def take_errors(self) -> list[CheckpointError]:
         """The failures kept since the last call, oldest first; they are forgotten here."""
+        return self.failures.take()

@@ -42,7 +42,7 @@ from resilience.checkpoint.staging import SegmentRef, segment_of
 from resilience.config import CheckpointConfig
 from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
-from resilience.persist import PersistPipeline
+from resilience.persist import Failures, PersistPipeline
 from resilience.persist.fork_server import CALL, CONNECT_TIMEOUT_S, PIPELINE, Call, ForkServer, Inherited
 from resilience.persist.helper_process import unpickled_error
 from resilience.persist.worker import Worker
@@ -87,7 +87,7 @@ class HelperPipeline(PersistPipeline):
         self.events = events
         self._on_committed = committed
         self._protected_steps = protected_steps
-        self.errors: list[CheckpointError] = []
+        self.failures = Failures()
         self.died: str | None = None
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # also orders a kill with the connection: see kill()
@@ -144,15 +144,6 @@ class HelperPipeline(PersistPipeline):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self._reader.join(10.0)
-
-    def discard_error(self, error: BaseException) -> None:
-        with self._lock:
-            self.errors = [e for e in self.errors if e is not error]
-
-    def take_errors(self) -> list[CheckpointError]:
-        with self._lock:
-            errors, self.errors = self.errors, []
-        return errors
 
     # ---- sending -----------------------------------------------------------------------------------------------
 
@@ -220,8 +211,7 @@ class HelperPipeline(PersistPipeline):
             elif kind == "known":
                 self._on_committed(message[1])
             elif kind == "error":
-                with self._lock:
-                    self.errors.append(unpickled_error(message[1]))
+                self.failures.add(unpickled_error(message[1]))
             elif kind in ("committed", "durable"):
                 self._resolve(kind, message[1], message[2], message[3])
             elif kind == "closed":
@@ -240,10 +230,7 @@ class HelperPipeline(PersistPipeline):
         if future.done():
             return
         if isinstance(result, bytes):
-            error = unpickled_error(result)
-            with self._lock:  # the same object as the one recorded, so raising it once also clears it
-                error = next((e for e in self.errors if str(e) == str(error)), error)
-            future.set_exception(error)
+            future.set_exception(self.failures.kept_as(unpickled_error(result)))
         else:
             future.set_result(result)
 
@@ -265,8 +252,7 @@ class HelperPipeline(PersistPipeline):
 
     def _fail(self, handle: SaveHandle, error: CheckpointError) -> None:
         if not (handle.committed.done() and handle.durable.done()):
-            with self._lock:
-                self.errors.append(error)
+            self.failures.add(error)
             handle.fail(error)
 
 

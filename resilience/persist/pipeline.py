@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 import traceback
 import uuid
@@ -28,7 +27,7 @@ from resilience.checkpoint.staging import StagingJob
 from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
-from resilience.persist import PersistPipeline
+from resilience.persist import Failures, PersistPipeline
 from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, versions
 from resilience.persist.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
 from resilience.persist.worker import Worker
@@ -138,8 +137,7 @@ class Pipeline(PersistPipeline):
         self._protected_steps = protected_steps
         self._on_error = on_error
         self._plan_cache_key = f"resilience-{uuid.uuid4().hex}"  # this pipeline's group (see PiecePlanner)
-        self.errors: list[CheckpointError] = []
-        self._errors_lock = threading.Lock()
+        self.failures = Failures()
         self._uploading: set[int] = set()
         self._guard = DurableGuard(durable) if durable is not None else None
         # whose saves these are (from the save jobs: the pipeline may run in a helper): retention keeps to this
@@ -167,15 +165,6 @@ class Pipeline(PersistPipeline):
             self._apply_retention(self.local, protect=self._pending_uploads())
         if self.durable is not None and self.rank == 0:
             self._apply_retention(self.durable, protect=self._pending_uploads())
-
-    def discard_error(self, error: BaseException) -> None:
-        with self._errors_lock:
-            self.errors = [e for e in self.errors if e is not error]
-
-    def take_errors(self) -> list[CheckpointError]:
-        with self._errors_lock:
-            errors, self.errors = self.errors, []
-        return errors
 
     # ---- writer --------------------------------------------------------------------------------------------
 
@@ -454,8 +443,7 @@ class Pipeline(PersistPipeline):
         if self._on_error is not None:
             self._on_error(error)
             return
-        with self._errors_lock:
-            self.errors.append(error)
+        self.failures.add(error)
 
 
 def remove_checkpoint(tier: Tier, path: str) -> None:
