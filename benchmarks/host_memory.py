@@ -20,6 +20,10 @@ run: our engine's fork server, DCP's checkpoint process (``persistent_helpers``)
 run counts those of its own variant (``keep``) and leaves out every other process that was already running when
 it began, so that one variant's idle helper is not counted in another's runs.
 
+Many fits run in one benchmark process, and a fit's peak carries the memory earlier fits left in it (the no-save
+fit's peak moved by gigabytes from round to round at 1.6 GB), so these sums say little when ways of saving are
+compared; ``bench_fit_memory.py`` runs each fit in a fresh process and sums the kernel's PSS instead.
+
 Sampled, not the kernel's high-water marks (``ru_maxrss``): those cannot be added up across processes that peak
 at different times, nor reset between runs.
 """
@@ -131,5 +135,6 @@ MEMORY_NOTE = (
     "training process and every process it started (our helper and its fork server, DCP's checkpoint process, "
     "loader workers; of the helpers that outlive a fit, only the variant's own); 'shared pages once' counts a "
     "helper's pages shared with the training process (the staging buffers it reads, libraries) once, not twice "
-    "(`benchmarks/host_memory.py`)."
+    "(`benchmarks/host_memory.py`). Fits share one process here, so a fit's peak carries what earlier fits left: "
+    "to compare ways of saving, use `benchmarks/bench_fit_memory.py` (a fresh process per fit, PSS)."
 )
