@@ -267,10 +267,8 @@ class RootClaim:
                 self.local.rename(self.local.step_path(step), self.local.path(SUPERSEDED_DIR, aside_name(step, stamp)))
             if self.rank == 0 and self.durable is not None:
                 manifest = self.durable.step_path(step, MANIFEST)
-                if self.durable.exists(manifest):
-                    self.durable.rename_manifest(
-                        manifest, f"{self.durable.step_path(step)}/{SUPERSEDED_MANIFEST}{stamp}"
-                    )
+                if self.durable.exists(manifest):  # only the manifest: a prefix cannot be moved on an object store
+                    self.durable.rename(manifest, f"{self.durable.step_path(step)}/{SUPERSEDED_MANIFEST}{stamp}")
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -212,7 +212,7 @@ def _quarantine(entry: catalog.Entry) -> None:
         else:
             assert isinstance(entry.tier, DurableTier)
             aside = f"{entry.path}/{CORRUPT_MANIFEST}{stamp}"
-            entry.tier.rename_manifest(f"{entry.path}/{MANIFEST}", aside)
+            entry.tier.rename(f"{entry.path}/{MANIFEST}", aside)
         log.warning("quarantined corrupt %s as %s", entry.where(), entry.tier.display(aside))
     except Exception as exc:
         log.warning("could not quarantine %s: %s", entry.where(), exc)

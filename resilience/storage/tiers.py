@@ -351,10 +351,6 @@ class DurableTier(Tier):
             self.makedirs(path.rsplit("/", 1)[0])
         super().put_file(local_path, path, callback)
 
-    def rename_manifest(self, path: str, new_path: str) -> None:
-        """Take a manifest out of discovery (a prefix cannot be moved atomically on object stores)."""
-        self.rename(path, new_path)
-
     def _prepare_root(self) -> None:
         if not self.is_object_store:
             super()._prepare_root()
