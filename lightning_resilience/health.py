@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 
@@ -33,8 +33,10 @@ class HealthGuardCallback(SessionCallback):
         grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must fit, the
             upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
             (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL.
-        check_every_n_steps: Agree across ranks on steps that are multiples of this. Each check is one all-reduce of
-            three int64 values on a gloo group; on very large jobs raise this.
+        check_every_n_steps: Agree across ranks on steps that are multiples of this, or ``"auto"``: the ranks agree
+            at each check when the next comes, so that checks take about 1% of the steps' time and at most 2 s of
+            steps (at the recent pace) pass between two; planned drills are checked at their step (see
+            :mod:`~resilience.health.schedule`). Each check is one all-reduce of four int64 values on a gloo group.
         save_on_degraded: Also checkpoint when ranks agree on a degraded fault (training continues).
         nvml: Watch GPUs through NVML (nvidia-ml-py). Without it, or without a driver, only signals and the hang
             watchdog work (one notice says so).
@@ -62,7 +64,7 @@ class HealthGuardCallback(SessionCallback):
     def __init__(
         self,
         grace_s: float = 25.0,
-        check_every_n_steps: int = 1,
+        check_every_n_steps: int | Literal["auto"] = "auto",
         save_on_degraded: bool = False,
         nvml: bool = True,
         devices: Sequence[int | str] | None = None,

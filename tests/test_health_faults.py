@@ -77,7 +77,7 @@ def test_bad_overrides_name_the_culprit(overrides: dict[str, object], message: s
     [
         ("grace_s", 0, "grace_s=0"),
         ("hang_factor", 1.0, "above 1"),
-        ("check_every_n_steps", 0, "positive integer"),
+        ("check_every_n_steps", 0, "positive integer, or .auto."),
         ("exit_code_preempted", 0, "0 stops the restart"),
         ("exit_code_gpu_fault", 137, "signal exit"),
         ("signals", ("SIGNOPE",), "unknown signal 'SIGNOPE'"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from resilience.errors import ConfigError
 from resilience.health.faults import FaultTable
@@ -44,8 +44,11 @@ class HealthConfig:
         chain_signals: Also call the handler that was installed for a signal before.
         fault_table: Overrides merged over the default table, e.g. ``{"xid": {"13": "fatal"}}`` (see
             :mod:`resilience.health.faults`).
-        check_every_n_steps: Agree across ranks on steps that are multiples of this. Each check is one
-            all-reduce of three int64 values on a gloo group; on very large jobs raise this.
+        check_every_n_steps: Agree across ranks on steps that are multiples of this, or ``"auto"``: the ranks
+            agree at each check when the next comes, so that checks take about 1% of the steps' time and at most
+            2 s of steps (at the recent pace) pass between two; planned drills are checked at their step (see
+            :mod:`~resilience.health.schedule`). Each check is one all-reduce of four int64 values on a gloo
+            group.
         save_on_degraded: Also checkpoint when ranks agree on a degraded fault (training continues).
         grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must
             fit, the upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
@@ -70,7 +73,7 @@ class HealthConfig:
     signals: Sequence[str | int] = ("SIGTERM", "SIGINT", "SIGUSR1")
     chain_signals: bool = False
     fault_table: Mapping[str, Any] | None = None
-    check_every_n_steps: int = 1
+    check_every_n_steps: int | Literal["auto"] = "auto"
     save_on_degraded: bool = False
     grace_s: float = 25.0
     exit_code_preempted: int = EXIT_CODE_PREEMPTED
@@ -88,7 +91,13 @@ class HealthConfig:
         for name in ("poll_interval_s", "grace_s", "exit_timeout_s", "hang_min_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: use a positive number of seconds")
-        for name in ("check_every_n_steps", "hang_min_samples", "hang_window"):
+        if self.check_every_n_steps != "auto" and (
+            not isinstance(self.check_every_n_steps, int) or self.check_every_n_steps < 1
+        ):
+            raise ConfigError(
+                f"check_every_n_steps={self.check_every_n_steps!r}: use a positive integer, or 'auto' (the default)"
+            )
+        for name in ("hang_min_samples", "hang_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)}: use a positive integer")
         if self.hang_factor <= 1:

@@ -45,6 +45,7 @@ from resilience.health.events import EventLog, Listener
 from resilience.health.faults import GPU_FAULTS, FaultEvent, Severity
 from resilience.health.injection import FaultInjector, Injection, parse_injections
 from resilience.health.nvml import HealthMonitor, default_devices, load_nvml
+from resilience.health.schedule import CheckSchedule
 from resilience.health.signals import SignalWatcher, hold_exit_code
 from resilience.health.simulated import SimulatedNVML
 from resilience.health.watchdog import HangWatchdog
@@ -256,6 +257,7 @@ class HealthGuard:
         self._nvml = nvml
         self._injections: list[Injection] = list(self.config.injections)
         self._injector = FaultInjector([], self.rank)
+        self._schedule = CheckSchedule(self.config.check_every_n_steps)
         self._started = False
         self._exiting = False
         self._closed = False
@@ -288,6 +290,8 @@ class HealthGuard:
             self.close()  # this guard will not run: the signals taken at construction go back
             raise
         self._injector = FaultInjector(mine, self.rank, simulated)
+        planned = (i.step for i in self._injections)  # every rank's drills: the plan is the same on all
+        self._schedule = CheckSchedule(self.config.check_every_n_steps, planned, alone=not self._channel.active)
         self.signals.install()
         self.signals.record()  # training begins: a signal now stops it at the next step boundary, with a save
         if self.config.nvml:
@@ -349,7 +353,8 @@ class HealthGuard:
     # ---- step boundary -------------------------------------------------------------------------------------
 
     def on_step(self, step: int) -> Decision:
-        """Call at every step boundary on every rank, with the same ``step``; collective on checked steps."""
+        """Call at every step boundary on every rank, with the same ``step``; collective on checked steps
+        (:mod:`~resilience.health.schedule` says which)."""
         if not self._started or self._closed:
             raise RuntimeError("HealthGuard.on_step() needs start() first (and no close() yet)")
         self.events.step = step
@@ -365,16 +370,22 @@ class HealthGuard:
                 _INJECTED_SEEN_TIMEOUT_S,
             )
         self.signals.drain()
-        if step % self.config.check_every_n_steps:
+        if not self._schedule.due(step):
             return Decision(Action.CONTINUE, step)
         return self._decide(step)
 
     def _decide(self, step: int) -> Decision:
         unhandled = self.events.unhandled()
         local = max((e.severity for e in unhandled), default=Severity.OK)
-        # One all-reduce: the worst severity with the rank that has it, and the step range to catch
-        # adapters that call on_step with different steps on different ranks.
-        code, highest, negated_lowest = self._channel.max([int(local) << 32 | self.rank, step, -step])
+        # One all-reduce: the worst severity with the rank that has it, the step range to catch adapters that
+        # call on_step with different steps on different ranks, and the fewest steps any rank lets pass before
+        # the next check.
+        start = time.perf_counter()
+        proposal = self._schedule.proposal(step, start)
+        code, highest, negated_lowest, negated_steps = self._channel.max(
+            [int(local) << 32 | self.rank, step, -step, -proposal]
+        )
+        self._schedule.agreed(step, -negated_steps, time.perf_counter() - start)
         if highest != -negated_lowest:
             raise RuntimeError(
                 f"ranks called on_step with different steps ({-negated_lowest} to {highest}); the health check "
