@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resilience.checkpoint.claim import RootClaim
-from resilience.checkpoint.events import Events
+from resilience.checkpoint.save_events import SaveEvents
 from resilience.config import CheckpointConfig
 from resilience.dist import Groups
 from resilience.errors import CheckpointError
@@ -35,7 +35,7 @@ class Background:
         durable: DurableTier | None,
         groups: Groups,
         local_shared: bool,
-        events: Events,
+        events: SaveEvents,
         roots: RootClaim,
         committed: Callable[[int], None],
         protected_steps: Callable[[], set[int]],

@@ -30,9 +30,9 @@ from resilience.checkpoint.agreement import Agreement
 from resilience.checkpoint.background import Background
 from resilience.checkpoint.claim import RootClaim
 from resilience.checkpoint.deal import SaveTree, Share
-from resilience.checkpoint.events import Events, Listener
 from resilience.checkpoint.loader import Restored
 from resilience.checkpoint.restore import Restorer, settle_own_save
+from resilience.checkpoint.save_events import Listener, SaveEvents
 from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.checkpoint.staging import Loan, StagingJob
 from resilience.checkpoint.staging_area import StagingArea
@@ -93,7 +93,7 @@ class CheckpointManager:
         self.is_local_leader = (
             self.rank == 0 if self.local_shared else self.rank == min(self.topology.ranks_on_my_node())
         )
-        self.events = Events(self.rank, listeners)
+        self.events = SaveEvents(self.rank, listeners)
         self.stats = SaveStats()
         self.device_unreadable: str | None = None  # why this rank's GPU must not be read again (a fatal fault)
         self.exit_timeout_s: float | None = None  # how long the process exit waits for saves (None: until done)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from resilience.checkpoint.events import Events
+from resilience.checkpoint.save_events import SaveEvents
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.checkpoint.staging import SegmentRef, segment_of
 from resilience.config import CheckpointConfig
@@ -79,7 +79,7 @@ class HelperPipeline(PersistPipeline):
     def __init__(
         self,
         settings: HelperSettings,
-        events: Events,
+        events: SaveEvents,
         committed: Callable[[int], None],
         protected_steps: Callable[[], set[int]],
     ):

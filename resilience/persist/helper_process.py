@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from resilience.checkpoint.events import Events
+from resilience.checkpoint.save_events import SaveEvents
 from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.checkpoint.staging import SegmentRef, StagingJob, attach
 from resilience.dist import Groups
@@ -110,7 +110,7 @@ def _pipeline(settings: HelperSettings, send: Send, protected_steps: Callable[[]
         groups.writer,
         groups.upload,
         settings.local_shared,
-        Events(topology.rank, [lambda record: send(("event", record))]),
+        SaveEvents(topology.rank, [lambda record: send(("event", record))]),
         lambda step: send(("known", step)),
         protected_steps,
         on_error=lambda error: send(("error", pickled_error(error))),

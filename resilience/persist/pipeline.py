@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from resilience.checkpoint.events import Events
+from resilience.checkpoint.save_events import SaveEvents
 from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.checkpoint.staging import StagingJob
 from resilience.config import CheckpointConfig
@@ -116,7 +116,7 @@ class Pipeline(PersistPipeline):
         writer_channel: Channel,
         upload_channel: Channel,
         local_shared: bool,
-        events: Events,
+        events: SaveEvents,
         committed: Callable[[int], None],
         protected_steps: Callable[[], set[int]],
         on_error: Callable[[CheckpointError], None] | None = None,

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 Listener = Callable[[dict[str, Any]], None]
 
 
-class Events:
+class SaveEvents:
     """A list of listeners and the one method that calls them."""
 
     def __init__(self, rank: int, listeners: list[Listener] | None = None):
