@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from resilience.checkpoint.packing import PackLayout
+from resilience.checkpoint.packing import PackIndex
 from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.cli import main as cli
 from resilience.storage import manifest as manifest_module
@@ -156,6 +156,6 @@ def test_a_reader_of_version_1_refuses_a_packed_step_with_upgrade(monkeypatch: p
 )
 def test_hostile_layouts_are_refused(slot: list[object]) -> None:
     with pytest.raises(CorruptCheckpointError, match=r"packs\.json is invalid"):
-        PackLayout.from_json({"packs": {f"{PACK_PREFIX}0": 128}, "slots": {"k": slot}}, where="x")
+        PackIndex.from_json({"packs": {f"{PACK_PREFIX}0": 128}, "slots": {"k": slot}}, where="x")
     with pytest.raises(CorruptCheckpointError, match=r"packs\.json is invalid"):
-        PackLayout.from_json({"packs": {"../etc/passwd": 128}, "slots": {}}, where="x")
+        PackIndex.from_json({"packs": {"../etc/passwd": 128}, "slots": {}}, where="x")

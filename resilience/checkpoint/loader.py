@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import LoadPlan as DcpLoadPlan
 from torch.futures import Future
 
 from resilience.checkpoint import packing
-from resilience.checkpoint.packing import PackLayout
+from resilience.checkpoint.packing import PackIndex
 from resilience.checkpoint.safe_reads import load_dcp_metadata, load_packs, load_skeleton
 from resilience.checkpoint.tree import TAG, flatten, tensor_keys, unflatten
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
@@ -133,7 +133,7 @@ class LoadPlan:
     skeleton: Any
     rank_skeleton: Any
     tensors: dict[str, torch.Tensor]
-    layout: PackLayout | None = None
+    layout: PackIndex | None = None
     packed: list[str] = field(default_factory=list)  # keys read out of packs after DCP has filled them
     pack_targets: dict[str, torch.Tensor] = field(default_factory=dict)
     allocated: set[str] = field(default_factory=set)  # keys of tensors made here, not given by the caller

@@ -47,14 +47,14 @@ class Slot:
 
 
 @dataclass
-class PackLayout:
+class PackIndex:
     """Which tensor keys are packed where, and how big each pack is (empty: nothing packed)."""
 
     slots: dict[str, Slot] = field(default_factory=dict)
     sizes: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: Any, *, where: str, step: int | None = None) -> PackLayout:
+    def from_json(cls, data: Any, *, where: str, step: int | None = None) -> PackIndex:
         """Parse and check a ``packs.json`` (read from storage, so treated as hostile)."""
 
         def bad(why: str) -> CorruptCheckpointError:
@@ -93,7 +93,7 @@ class PackLayout:
 
 
 def unpack(
-    layout: PackLayout, keys: Iterable[str], packs: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
+    layout: PackIndex, keys: Iterable[str], packs: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The tensors of the packed ``keys``, out of the packs read: copied into their target where one is given
     (a DTensor gets its local part), else into a tensor of their own (never a view that keeps a pack alive)."""

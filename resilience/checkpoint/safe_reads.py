@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from resilience.checkpoint.packing import PackLayout
+from resilience.checkpoint.packing import PackIndex
 from resilience.errors import CorruptCheckpointError
 from resilience.storage.catalog import Entry
 from resilience.storage.layout import DCP_METADATA, PACKS_FILE
@@ -120,12 +120,12 @@ def load_skeleton(entry: Entry, name: str) -> Any:
         raise CorruptCheckpointError(f"{entry.where()}: {name} is not JSON ({type(exc).__name__}: {exc})") from exc
 
 
-def load_packs(entry: Entry, metadata: Metadata) -> PackLayout | None:
+def load_packs(entry: Entry, metadata: Metadata) -> PackIndex | None:
     """The checkpoint's ``packs.json``, checked against its manifest entry and DCP's metadata (None: no packs)."""
     assert entry.manifest is not None
     if entry.manifest.file(PACKS_FILE) is None:
         return None
-    layout = PackLayout.from_json(load_skeleton(entry, PACKS_FILE), where=entry.where(), step=entry.step)
+    layout = PackIndex.from_json(load_skeleton(entry, PACKS_FILE), where=entry.where(), step=entry.step)
     for pack, size in layout.sizes.items():
         md = metadata.state_dict_metadata.get(pack)
         as_bytes = isinstance(md, TensorStorageMetadata) and md.properties.dtype == torch.uint8

@@ -66,7 +66,7 @@ class StepReader:
         self.budget_bytes = max(1, budget_bytes)
         self.on_bytes = on_bytes
         self.metadata = load_dcp_metadata(entry)
-        self.layout = load_packs(entry, self.metadata) or packing.PackLayout()
+        self.layout = load_packs(entry, self.metadata) or packing.PackIndex()
         self._fake_mode = FakeTensorMode()
         self._made: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._source: dict[int, tuple[str, torch.dtype]] = {}  # id(placeholder) -> (DCP key, dtype to hand out)
