@@ -35,7 +35,7 @@ from resilience.health import HealthConfig
 from resilience.logs import print_to_stderr, rank_zero
 from resilience.persist.fork_server import stop_early_server
 from resilience.recovery import inplace
-from resilience.recovery.peer_loss import PeerLossConfig
+from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig
 from resilience.session import SaveState, TrainingSession
 
 T = TypeVar("T")
@@ -108,7 +108,10 @@ class ResilienceHandle:
         if config.persist == "thread":
             stop_early_server()
         self.manager = CheckpointManager(barrier_for(config, compat.models(accelerator)))
-        self.session = TrainingSession(self.manager, self._state, is_main=accelerator.is_main_process)
+        self._sharded: bool | None = None  # whether the models are DTensor shards, once known
+        self.session = TrainingSession(
+            self.manager, self._state, is_main=accelerator.is_main_process, boundary=self._boundary_snapshot
+        )
         self.session.add_sink(self._log)
         self.run_dir = os.fspath(plugin.run_dir or project.project_dir or config.local_root)
         if plugin.goodput:
@@ -180,6 +183,15 @@ class ResilienceHandle:
 
     def _state(self, step: int) -> SaveState:
         """Everything to save at ``step``: the shared training state, and each rank's own."""
+        return self._boundary_snapshot(step).shared()
+
+    def _boundary_snapshot(self, step: int) -> BoundarySnapshot:
+        """The state at ``step``'s boundary: this rank's own (RNG, data position) by value now; the shared
+        training state only when it is saved. A survivor save builds it later, after the boundary, from the same
+        values: the peer-loss gate holds the next optimizer step (and with it the scheduler's and the scaler's)
+        until then. Building it at every boundary cost a small model's loop half a millisecond a step. Sharded
+        (DTensor) states are the exception: building one may take collectives, so it is built now, on the
+        training thread."""
         position = self._position()
         progress = {
             "global_step": step,
@@ -194,8 +206,15 @@ class ResilienceHandle:
             "objects": snapshot.object_states(self.accelerator),
             "loaders": snapshot.loader_states(self.accelerator),
         }
-        state = {"training": snapshot.training_state(self.accelerator), "progress": progress}
-        return SaveState(state, rank_state, {"adapter": "accelerate", **progress})
+
+        def shared() -> SaveState:
+            state = {"training": training or snapshot.training_state(self.accelerator), "progress": progress}
+            return SaveState(state, rank_state, {"adapter": "accelerate", **progress})
+
+        if self._sharded is None:  # the prepared models are the same all run long
+            self._sharded = snapshot.sharded(self.accelerator)
+        training = snapshot.training_state(self.accelerator) if self._sharded else None
+        return BoundarySnapshot(step, rank_state, shared)
 
     def _saved(self, step: int) -> None:
         self._last_saved = step

@@ -47,6 +47,11 @@ def training_state(accelerator: Accelerator) -> dict[str, Any]:
     }
 
 
+def sharded(accelerator: Accelerator) -> bool:
+    """Whether the prepared models' parameters are DTensor shards (FSDP2)."""
+    return _sharded(_unwrapped(accelerator))
+
+
 def _unwrapped(accelerator: Accelerator) -> list[Any]:
     return [accelerator.unwrap_model(model, keep_torch_compile=False) for model in compat.models(accelerator)]
 
