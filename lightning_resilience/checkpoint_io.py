@@ -42,7 +42,6 @@ from resilience.config import (
 )
 from resilience.dist import first_process_of_node, is_distributed
 from resilience.docstrings import documented_by
-from resilience.formats import crc
 from resilience.formats.lightning_ckpt import is_weights_only, merge_checkpoint, saved_at_epoch_end
 from resilience.formats.names import FILE, SHARDED, NameWriter, publish, remove, repaired_writer, resolve
 from resilience.logs import route_through
@@ -273,10 +272,6 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
-                # made for a name, which copies what rank 0 did not stage (other ranks' shares, a URL name's
-                # all) from the shards and needs its records' CRC-32s: torch's pass records them in the shards
-                # unless the name's writer computes them faster as it copies
-                state = dataclasses.replace(state, record_crcs=not crc.FAST)
                 handle = session.save(step, state, reason="named")
 
             def lightnings_own(named: dict[str, Any]) -> None:  # outside fit(), as Lightning's tests expect

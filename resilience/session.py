@@ -77,7 +77,6 @@ class SaveState:
     rank_state: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     replicated: tuple[str, ...] | None = None
-    record_crcs: bool = False  # a framework file will be copied from this save (see CheckpointManager.save)
 
 
 StateBuilder = Callable[[int], SaveState]
@@ -357,7 +356,6 @@ class TrainingSession:
                 when_busy=when_busy,
                 abstain=abstain,
                 replicated=built.replicated,
-                record_crcs=built.record_crcs,
             )
         if handle is not None:
             self.interval.save_started()

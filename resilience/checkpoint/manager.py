@@ -208,7 +208,6 @@ class CheckpointManager:
         when_busy: WhenBusy | None = None,
         abstain: Collection[int] = (),
         replicated: Collection[str] | None = None,
-        record_crcs: bool = False,
     ) -> SaveHandle | None:
         """Stage ``state`` and return; the rest happens in the background. Call on every rank.
 
@@ -223,11 +222,6 @@ class CheckpointManager:
         tensors under the other keys may differ per rank; the leader (the lowest rank that writes) writes its
         own, with the skeleton that refers to them, and every rank gets those back: Lightning keeps rank 0's
         checkpoint dict the same way.
-
-        ``record_crcs``: the shards' zip records get their CRC-32s, for a save that a framework file will be
-        copied from (a Lightning name: its records need them, and without :data:`resilience.formats.crc.FAST` taking
-        them is cheaper than computing them again). Otherwise torch's pass over the bytes to compute them is
-        skipped; nothing reads them.
         """
         t0 = time.monotonic()
         self._check_open()
@@ -244,7 +238,7 @@ class CheckpointManager:
         handle = SaveHandle(step)
         staging = self._staging_area.stage(handle, share.tensors)
         block_s = time.monotonic() - t0
-        self._hand_off(handle, staging, tree, share, extra, record_crcs, block_s)
+        self._hand_off(handle, staging, tree, share, extra, block_s)
         self._after_hand_off(handle, staging, tree, block_s)
         return handle
 
@@ -294,7 +288,6 @@ class CheckpointManager:
         tree: SaveTree,
         share: Share,
         extra: dict[str, Any] | None,
-        record_crcs: bool,
         block_s: float,
     ) -> None:
         """The step now exists (no other save may take it); the background writes and commits it."""
@@ -315,7 +308,6 @@ class CheckpointManager:
                 run_id=self.run_id,
                 writer=self.owner.to_json() if self.owner is not None else None,
                 pieces={k: _create_write_items(k, t) for k, t in share.tensors.items() if isinstance(t, DTensor)},
-                record_crcs=record_crcs,
             )
         )
 

@@ -61,11 +61,9 @@ class RecordingWriter(FileSystemWriter):
     tier of its own): past the page cache with ``direct``, synced as each file closes with ``sync_files``, hashed on
     the way out (:attr:`hashes`)."""
 
-    def __init__(
-        self, path: str, *, direct: bool = False, sync_files: bool = True, record_crcs: bool = False, **kwargs: Any
-    ):
+    def __init__(self, path: str, *, direct: bool = False, sync_files: bool = True, **kwargs: Any):
         super().__init__(path, sync_files=False, **kwargs)  # our streams sync themselves as they close
-        self.files = HashedFileSystem(LocalTier(path), direct=direct, fsync=sync_files, record_crcs=record_crcs)
+        self.files = HashedFileSystem(LocalTier(path), direct=direct, fsync=sync_files)
         self.fs = self.files  # type: ignore[assignment]
         self.written: set[str] = set()
 

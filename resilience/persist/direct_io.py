@@ -191,8 +191,7 @@ def _no_zip_crcs() -> contextlib.AbstractContextManager[Any]:
     1.5 GB/s (a second of CPU per 1.6 GB save, in the shard's writer), and nothing reads it: ``torch.load`` does
     not check it, and a load verifies the manifest's checksum of every whole file. torch's settings are the
     thread's own, so nothing else of the process is touched. A name copied from such an entry computes the CRC-32
-    its own records need (:mod:`resilience.formats.torch_file`), about half a second of CPU per 1.6 GB: a save
-    made for a name is written with CRC-32s (``record_crcs``), which the name then takes as they are."""
+    its own records need as it copies the bytes (:mod:`resilience.formats.crc`)."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch before 2.6 always computes it

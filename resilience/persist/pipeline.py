@@ -64,7 +64,6 @@ class WriteSpec:
     run_id: str | None = None
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
-    record_crcs: bool = False  # the shards' zip records get CRC-32s (see CheckpointManager.save)
 
 
 @dataclass(kw_only=True)
@@ -250,7 +249,6 @@ class Pipeline(PersistPipeline):
                 local_dir,
                 direct=self.config.direct_io,
                 sync_files=self.config.fsync,
-                record_crcs=job.record_crcs,
                 thread_count=self.config.write_threads,
                 overwrite=False,
             )

@@ -10,7 +10,6 @@ ls`` and ``verify`` read checkpoints through tiers and need none of DCP.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import tempfile
@@ -70,16 +69,15 @@ class TierFileSystem(FileSystemBase):
 
 class HashedFileSystem(TierFileSystem):
     """A save's files, written as the local tier's hashed streams (:meth:`LocalTier.open_hashed`); :attr:`written`
-    maps each finished file's name (relative to its folder) to its :class:`Written`. Without ``record_crcs`` the
-    entries' zip records carry no CRC-32 (:func:`resilience.persist.direct_io._no_zip_crcs`)."""
+    maps each finished file's name (relative to its folder) to its :class:`Written`. The entries' zip records
+    carry no CRC-32 (:func:`resilience.persist.direct_io._no_zip_crcs`)."""
 
     tier: LocalTier
 
-    def __init__(self, tier: LocalTier, *, direct: bool, fsync: bool, record_crcs: bool = False) -> None:
+    def __init__(self, tier: LocalTier, *, direct: bool, fsync: bool) -> None:
         super().__init__(tier)
         self.direct = direct
         self.fsync = fsync
-        self.record_crcs = record_crcs
         self.written: dict[str, Written] = {}
 
     @contextmanager
@@ -96,7 +94,7 @@ class HashedFileSystem(TierFileSystem):
         stream = self.tier.open_hashed(os.fspath(path), done, direct=self.direct, fsync=self.fsync)
         try:
             # DCP writes every entry of the file inside this block, in this thread
-            with contextlib.nullcontext() if self.record_crcs else direct_io._no_zip_crcs():
+            with direct_io._no_zip_crcs():
                 yield stream
         except BaseException:
             stream.abandon()
