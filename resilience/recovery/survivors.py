@@ -29,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from resilience.checkpoint.deal import deal_digest, share_among, split_by_origin
+from resilience.checkpoint.deal import SaveTree
 from resilience.checkpoint.safe_reads import MetadataUnpickler
 from resilience.checkpoint.staging import HostStager
 from resilience.checkpoint.tree import flatten
@@ -171,8 +171,7 @@ def survivor_save(
         if not plan["go"]:
             outcome.reason = plan["reason"]
             return _done(outcome, start)
-        theirs = lost if rank == coordinator else set()
-        entries, share = _write_share(manager, step, shared, rank_state, survivors, theirs, liveness)
+        entries, share = _write_share(manager, step, shared, rank_state, lost, liveness)
         board.post(f"files-{rank}", {"files": [entry.__dict__ for entry in entries], "deal": share.digest})
         if rank == coordinator:
             board.post("done", _commit(manager, board, step, shared, survivors, lost, share))
@@ -216,7 +215,6 @@ def _write_share(
     step: int,
     shared: SaveState,
     rank_state: Any,
-    survivors: list[int],
     lost: set[int],
     liveness: Liveness,
 ) -> tuple[list[FileEntry], _Share]:
@@ -224,18 +222,15 @@ def _write_share(
     the coordinator checks the merged metadata against."""
     rank = manager.rank
     step_dir = manager.local.step_path(step)
-    flat = flatten(shared.state)
-    dealt, leaders = split_by_origin(flat.tensors, shared.replicated)
-    tensors = share_among(dealt, rank, survivors)
-    needed = list(flat.tensors)
-    own = flatten(rank_state, prefix=rank_prefix(rank)) if rank_state is not None else None
+    # An ordinary save's deal, with the lost ranks as abstaining writers: the survivors' shares cover the state.
+    tree = SaveTree.of(shared.state, manager.world_size, lost, shared.replicated)
+    share = tree.share(rank, rank_state, None)
+    tensors = dict(share.tensors)
     skeletons: dict[str, Any] = {}
-    if own is not None:
-        tensors.update(own.tensors)
-        skeletons[rank_state_file(rank)] = own.skeleton
-    if rank == survivors[0]:  # the leader: the skeleton, and the tensors it alone refers to
-        skeletons[STATE_FILE] = flat.skeleton
-        tensors.update(leaders)
+    if share.rank_flat is not None:
+        skeletons[rank_state_file(rank)] = share.rank_flat.skeleton
+    if share.skeleton is not None:  # the leader: the skeleton, and the lost ranks' own state
+        skeletons[STATE_FILE] = share.skeleton
         for other in sorted(lost):
             found = liveness.boundary_state(other)
             if found is not None and found[0] == step:
@@ -258,7 +253,7 @@ def _write_share(
         with open(os.path.join(step_dir, name), "w") as stream:
             json.dump(skeleton, stream, allow_nan=False, separators=(",", ":"))
         names.append((name, "state"))
-    return proofs.hashed(step_dir, rank, names, writer.hashes), _Share(deal_digest(dealt), needed)
+    return proofs.hashed(step_dir, rank, names, writer.hashes), _Share(tree.digest, list(tree.flat.tensors))
 
 
 def _commit(
