@@ -4,11 +4,13 @@ drill's rank is named (in the logs, the metrics and ``resilience report``) and t
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from resilience.health import Injection, InjectionSyntaxError, parse_injections
 from resilience.health.stragglers import SlowDrill, Split, StragglerConfig, judge
@@ -82,3 +84,40 @@ def test_a_rank_slowed_by_the_drill_is_named_within_a_few_windows_and_the_other_
         check=True,
     ).stdout
     assert "Stragglers" in report and "rank 1 at" in report and "rank 0 at" not in report, report
+
+
+def test_with_replace_a_straggler_goes_to_a_warm_spare_and_the_job_ends_bit_exact(tmp_path: Path) -> None:
+    code, output = accelerate(tmp_path / "reference")
+    assert code == 0, output[-6000:]
+    out = tmp_path / "run"
+    code, output = accelerate(
+        out,
+        ACCELERATE_RESILIENCE_HEALTH="1",
+        RESILIENCE_INJECT="slow=2.0@step=0,rank=1",
+        RESILIENCE_STRAGGLER_WINDOW="4",
+        RESILIENCE_STRAGGLER_FACTOR="1.3",
+        RESILIENCE_STRAGGLER_REPLACE="1",
+        TRAIN_STEP_SLEEP="0.02",
+    )
+    assert code == 0, output[-6000:]
+    named = re.findall(r"at step (\d+): rank 1 is a straggler", output)
+    assert len(named) == 1 and "rank 0 is a straggler" not in output, output[-6000:]
+    step = int(named[0])
+    assert "rank 1: a straggler; asking the launcher to replace it with a spare" in output, output[-6000:]
+    assert f"survivor save of step {step} by ranks [0] (lost: [1]): committed" in output, output[-6000:]
+    resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
+    assert [r["global_step"] for r in resumed] == [0, 0, step, step], output[-6000:]
+    for rank in (0, 1):  # the drill only slowed rank 1: the same samples and parameters as a run without it
+        got = torch.load(out / f"final-rank{rank}.pt", weights_only=False)
+        want = torch.load(tmp_path / "reference" / f"final-rank{rank}.pt", weights_only=False)
+        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    report = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "report", str(out / "ckpt")],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"step {step}: rank 1 replaced by a spare" in report, report

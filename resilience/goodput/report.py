@@ -99,7 +99,7 @@ def _stragglers(summary: GoodputSummary) -> list[str]:
     events = [(inc.index, e) for inc in summary.incarnations for e in inc.events if e["e"].startswith("straggler")]
     if not events:
         return []
-    lines = ["", "Stragglers (a rank persistently slower than its peers; per step, against the others' median):"]
+    lines = ["", "Stragglers: ranks persistently slower than their peers (#: the incarnation; per step):"]
     for index, event in events:
         if event["e"] == "straggler_replaced":
             lines.append(f"{index:>3}  step {event.get('step')}: rank {event.get('rank')} replaced by a spare")

@@ -105,5 +105,6 @@ class HangWatchdog:
             Kind.HANG,
             self.table.kind(Kind.HANG),
             f"{elapsed:.1f} s since step {step} finished, over the limit of {limit:.1f} s "
-            f"({self.factor:g} x median step {median:.3g} s): a hang seen from this rank (it, or a peer it waits for, may be stuck)",
+            f"({self.factor:g} x median step {median:.3g} s): a hang seen from this rank (it, or a peer it waits "
+            "for, may be stuck)",
         )
