@@ -21,6 +21,7 @@ each step boundary it sleeps ``factor - 1`` times its step's own time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -126,7 +127,7 @@ class Straggler:
         )
 
     def fields(self) -> dict[str, Any]:
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
 
 def judge(splits: Sequence[Split], step: int, factor: float, min_excess_s: float) -> list[Straggler]:
@@ -257,7 +258,6 @@ class SessionStragglers:
         self._record = record
         self._data_wait = data_wait
         self.config: StragglerConfig | None = None
-        self.found: list[Straggler] = []
         self._drill: SlowDrill | None = None
         self._waits: CollectiveWait | None = None
         self._last: float | None = None
@@ -320,12 +320,14 @@ class SessionStragglers:
             }
         )
         for straggler in named:
-            self.found.append(straggler)
             if self._manager.rank == 0:
                 log.warning("at step %d: %s", step, straggler.describe())
             self._record("straggler", **straggler.fields())
-        if named and self.config.replace and inplace.active():
-            self._replace(named[0])
+        if named and self.config.replace:
+            if inplace.active():
+                self._replace(named[0])
+            elif self._manager.rank == 0:
+                log.warning("%sREPLACE is set, but only resilience launch has spares: not replaced", ENV_PREFIX)
 
     def _replace(self, straggler: Straggler) -> None:
         """End the straggler the way a hung rank is ended: the launcher kills it, the others' next collective
