@@ -7,13 +7,15 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from resilience.errors import ConfigError
 from resilience.health import Injection, InjectionSyntaxError, parse_injections
-from resilience.health.stragglers import SlowDrill, Split, StragglerConfig, judge
+from resilience.health.stragglers import CollectiveWait, SlowDrill, Split, StragglerConfig, judge
 from tests.helpers import base_env
 from tests.test_inplace import accelerate
 
@@ -57,6 +59,37 @@ def test_the_rank_with_the_most_own_time_is_named_with_its_split() -> None:
     assert judge([Split(0.1, 0.0, 0.01), Split(0.1, 0.0, 0.012)], 20, factor=1.5, min_excess_s=0.002) == []
     with pytest.raises(Exception, match="factor above 1"):
         StragglerConfig(factor=1.0)
+
+
+def test_settings_come_from_the_environment_and_a_bad_one_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RESILIENCE_STRAGGLER_WINDOW", "5")
+    assert StragglerConfig().window == 5 and StragglerConfig(window=8).window == 8
+    monkeypatch.setenv("RESILIENCE_STRAGGLER_FACTOR", "1")
+    with pytest.raises(ConfigError, match=r"factor=1.0: use a factor above 1.*RESILIENCE_STRAGGLER_FACTOR"):
+        StragglerConfig()
+    monkeypatch.delenv("RESILIENCE_STRAGGLER_FACTOR")
+    monkeypatch.setenv("RESILIENCE_STRAGGLER_WINDOWZ", "3")
+    with pytest.warns(UserWarning, match="did you mean RESILIENCE_STRAGGLER_WINDOW"):
+        StragglerConfig()
+
+
+def test_the_wait_in_collectives_runs_from_the_last_gradient_to_the_update_with_one_hook_kept() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    waits = CollectiveWait()
+    try:
+        for pause in (0.0, 0.0, 0.05):  # the first step finds the parameters, the second which gradient is last
+            model(torch.randn(2, 4)).sum().backward()
+            time.sleep(pause)  # where a fast rank waits for the others in DDP's last all-reduce
+            optimizer.step()
+            optimizer.zero_grad()
+        assert waits.take() >= 0.05 and waits.take() == 0.0
+        assert sum(hook is not None for hook in waits._grad_hooks) == 1
+        # a closure (Lightning's way): the backward inside the step is measured the same way
+        optimizer.step(lambda: model(torch.randn(2, 4)).sum().backward())
+        assert 0.0 < waits.take() < 0.05
+    finally:
+        waits.close()
 
 
 def test_a_rank_slowed_by_the_drill_is_named_within_a_few_windows_and_the_other_never(tmp_path: Path) -> None:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,44 +46,46 @@ ENV_PREFIX = "RESILIENCE_STRAGGLER_"
 EVICTED_WAIT_S = 120.0  # how long a straggler that asked to be replaced waits for the launcher to end it
 
 
-def _from_env(name: str, parse: Callable[[str, str], Any], default: Any) -> Any:
-    variable = ENV_PREFIX + name
-    raw = os.environ.get(variable, "").strip()
-    return parse(variable, raw) if raw else default
-
-
 @dataclass
 class StragglerConfig:
-    """How stragglers are found and what is done about them; each field defaults to ``RESILIENCE_STRAGGLER_<FIELD>``.
+    """How stragglers are found and what is done about them; a field left out is read from
+    ``RESILIENCE_STRAGGLER_<FIELD>``, else takes its default.
 
     Attributes:
-        enabled: Compare the ranks (one all-gather of four numbers per rank every ``window`` steps).
-        window: Steps per comparison.
-        windows: Windows running a rank must be slow in before it is named (one slow window is noise).
+        enabled: Compare the ranks (one all-gather of four numbers per rank every ``window`` steps). Default: true.
+        window: Steps per comparison. Default: 20.
+        windows: Windows running a rank must be slow in before it is named (one slow window is noise). Default: 2.
         factor: A rank is slow when its own time (compute and data wait) exceeds this times the others' median.
+            Default: 1.5.
         min_excess_s: ... and exceeds it by at least this many seconds per step (jitter of very short steps).
+            Default: 0.002.
         replace: Under ``resilience launch``, end the straggler so that a warm spare takes its place (the
-            survivors save and restart in place); at most once per window. Off by default.
+            survivors save and restart in place); at most once per window. Default: false.
     """
 
-    enabled: bool = field(default_factory=lambda: _from_env("ENABLED", env.boolean, True))
-    window: int = field(default_factory=lambda: _from_env("WINDOW", env.integer, 20))
-    windows: int = field(default_factory=lambda: _from_env("WINDOWS", env.integer, 2))
-    factor: float = field(default_factory=lambda: _from_env("FACTOR", env.number, 1.5))
-    min_excess_s: float = field(default_factory=lambda: _from_env("MIN_EXCESS_S", env.number, 0.002))
-    replace: bool = field(default_factory=lambda: _from_env("REPLACE", env.boolean, False))
+    enabled: bool = env.setting(True, env.boolean)
+    window: int = env.setting(20, env.integer)
+    windows: int = env.setting(2, env.integer)
+    factor: float = env.setting(1.5, env.number)
+    min_excess_s: float = env.setting(0.002, env.number)
+    replace: bool = env.setting(False, env.boolean)
 
     def __post_init__(self) -> None:
-        if self.window < 2 or self.windows < 1:
-            raise ConfigError(
-                f"window={self.window}, windows={self.windows}: use a window of 2 steps or more (20 is a good start) "
-                f"and 1 window or more (set {ENV_PREFIX}WINDOW, {ENV_PREFIX}WINDOWS)"
-            )
-        if not self.factor > 1 or self.min_excess_s < 0:
-            raise ConfigError(
-                f"factor={self.factor}, min_excess_s={self.min_excess_s}: use a factor above 1 (1.5 is a good "
-                f"start) and 0 or more seconds (set {ENV_PREFIX}FACTOR, {ENV_PREFIX}MIN_EXCESS_S)"
-            )
+        from_env = env.fill_from_env(self, ENV_PREFIX)
+        try:
+            self._check()
+        except ConfigError as exc:
+            raise ConfigError(env.blame(str(exc), from_env)) from None
+
+    def _check(self) -> None:
+        if self.window < 2:
+            raise ConfigError(f"window={self.window}: use 2 steps or more (20 is a good start)")
+        if self.windows < 1:
+            raise ConfigError(f"windows={self.windows}: use 1 window or more")
+        if not self.factor > 1:
+            raise ConfigError(f"factor={self.factor}: use a factor above 1 (1.5 is a good start)")
+        if self.min_excess_s < 0:
+            raise ConfigError(f"min_excess_s={self.min_excess_s}: use 0 or more seconds")
 
 
 @dataclass(frozen=True)
