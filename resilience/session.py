@@ -10,6 +10,8 @@ The session owns the rest, composed of parts, each in the subpackage of what it 
   preemption signals; a stop is an emergency save within the grace period, returned to the adapter as a
   :class:`Boundary` with the exit code (never raised from inside a framework's data loader);
 * :class:`~resilience.recovery.peer_loss.SessionPeerLoss`: when a peer dies or hangs, the survivors save;
+* :class:`~resilience.health.stragglers.SessionStragglers`: every few dozen steps the ranks compare how their
+  steps split (data wait, compute, waiting in collectives) and name a rank persistently slower than the others;
 * :class:`~resilience.goodput.accounting.SessionGoodput`: the time saves blocked training (their staging waits
   before an optimizer step included), data waits, restores and emergencies go to the ledger; per-save telemetry
   and data-wait windows to the sinks;
