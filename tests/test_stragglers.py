@@ -154,3 +154,16 @@ def test_with_replace_a_straggler_goes_to_a_warm_spare_and_the_job_ends_bit_exac
         check=True,
     ).stdout
     assert f"step {step}: rank 1 replaced by a spare" in report, report
+    as_json = subprocess.run(
+        [sys.executable, "-m", "resilience.cli", "report", str(out / "ckpt"), "--json"],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    first, second = json.loads(as_json)["incarnations"]
+    assert [(e["e"], e["rank"], e["step"]) for e in first["stragglers"]] == [
+        ("straggler", 1, step),
+        ("straggler_replaced", 1, step),
+    ]
+    assert second["restart"] == "in place" and second["stragglers"] == []
