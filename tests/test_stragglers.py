@@ -25,7 +25,12 @@ pytestmark = pytest.mark.timeout(300)
 def test_slow_parses_with_a_factor_and_rejects_one_that_does_not_slow() -> None:
     assert parse_injections("slow=2.5@step=100,rank=1") == [Injection("slow", 100, 1, factor=2.5)]
     assert str(Injection("slow", 3, 1, factor=2.0)) == "slow=2@step=3,rank=1"
-    bad = (("slow@step=1", "needs a factor"), ("slow=1.0@step=1", "above 1"), ("slow=x@step=1", "needs a factor"))
+    bad = (
+        ("slow@step=1", "needs a factor"),
+        ("slow=1.0@step=1", "above 1"),
+        ("slow=x@step=1", "needs a factor"),
+        ("slow=inf@step=1", "finite"),
+    )
     for text, message in bad:
         with pytest.raises(InjectionSyntaxError, match=message):
             parse_injections(text)

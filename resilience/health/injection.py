@@ -30,6 +30,7 @@ the session's straggler part, not here. Each fault fires once per job: a run res
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -69,7 +70,9 @@ class Injection:
     def __post_init__(self) -> None:
         if self.fault not in _FAULTS:
             raise InjectionSyntaxError(f"unknown fault {self.fault!r}; syntax: {SYNTAX}")
-        if (self.factor is not None) != (self.fault == SLOW) or (self.factor is not None and not self.factor > 1):
+        if (self.factor is not None) != (self.fault == SLOW) or (
+            self.factor is not None and not 1 < self.factor < math.inf
+        ):
             raise InjectionSyntaxError(f"slow needs a factor above 1, e.g. slow=2.0; syntax: {SYNTAX}")
         if (self.value is None) != (self.fault in ("ecc", "gpu_lost", SLOW)):
             need = "needs a value" if self.value is None else "takes no value"
@@ -112,8 +115,8 @@ def _parse_one(part: str) -> Injection:
             factor = float(value_text)
         except ValueError:
             raise bad("slow needs a factor, e.g. slow=2.0") from None
-        if not factor > 1:
-            raise bad(f"slow={value_text}: use a factor above 1 (2.0: each step takes twice as long)")
+        if not 1 < factor < math.inf:
+            raise bad(f"slow={value_text}: use a finite factor above 1 (2.0: each step takes twice as long)")
     elif fault == "xid":
         if not value_text.isdigit():
             raise bad("xid needs a number, e.g. xid=79")
