@@ -10,6 +10,8 @@ The session owns the rest, composed of parts, each in the subpackage of what it 
   preemption signals; a stop is an emergency save within the grace period, returned to the adapter as a
   :class:`Boundary` with the exit code (never raised from inside a framework's data loader);
 * :class:`~resilience.recovery.peer_loss.SessionPeerLoss`: when a peer dies or hangs, the survivors save;
+* :class:`~resilience.health.stragglers.SessionStragglers`: every few dozen steps the ranks compare how their
+  steps split (data wait, compute, waiting in collectives) and name a rank persistently slower than the others;
 * :class:`~resilience.goodput.accounting.SessionGoodput`: the time saves blocked training (their staging waits
   before an optimizer step included), data waits, restores and emergencies go to the ledger; per-save telemetry
   and data-wait windows to the sinks;
@@ -53,6 +55,7 @@ from resilience.goodput.interval import SessionInterval
 from resilience.goodput.ledger import COMPLETED
 from resilience.health import Decision, EmergencySave, HealthConfig, HealthGuard, SignalWatcher
 from resilience.health.session_health import SessionHealth
+from resilience.health.stragglers import SessionStragglers, StragglerConfig
 from resilience.recovery import inplace
 from resilience.recovery.peer_loss import (
     BoundaryBuilder,
@@ -146,6 +149,9 @@ class TrainingSession:
         )
         self.health = SessionHealth(manager, emit=self.sinks.emit, on_hang=self.peers.hang_seen)
         self.resume = SessionResume(manager, is_main=self.is_main, on_restored=self.goodput.restored)
+        self.stragglers = SessionStragglers(
+            manager, emit=self.sinks.emit, record=self.goodput.note, data_wait=lambda: self.goodput.data_wait_s
+        )
 
     # ---- parts (before start) ----------------------------------------------------------------------------------
 
@@ -153,8 +159,16 @@ class TrainingSession:
         self, config: HealthConfig, *, nvml: Any = None, signals: SignalWatcher | None = None
     ) -> HealthGuard:
         """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group).
-        ``signals``: the adapter's watcher of stop signals, installed before the session existed."""
+        ``signals``: the adapter's watcher of stop signals, installed before the session existed. Stragglers are
+        watched with it (:class:`StragglerConfig` from its variables, unless :meth:`use_stragglers` said otherwise).
+        """
+        if self.stragglers.config is None:
+            self.stragglers.use(StragglerConfig())
         return self.health.use(config, nvml=nvml, signals=signals)
+
+    def use_stragglers(self, config: StragglerConfig) -> None:
+        """Compare the ranks' step times every ``config.window`` steps (see :mod:`resilience.health.stragglers`)."""
+        self.stragglers.use(config)
 
     def use_peer_loss(self, config: PeerLossConfig) -> None:
         """Survivor saves when a rank dies or hangs (effective from :meth:`start`, with a shared local tier)."""
@@ -244,6 +258,7 @@ class TrainingSession:
         self.resume.rng_due("start")
         self.goodput.start()
         self.interval.start(step)
+        self.stragglers.start(step, self.health.guard.planned if self.health.guard is not None else ())
         self._last_end_t = time.perf_counter()
 
     @property
@@ -299,6 +314,7 @@ class TrainingSession:
         boundary = self._decide(step)
         self.goodput.flush_telemetry()
         self.health.flush_events()
+        self.stragglers.at_boundary(step, now)  # last: a drill's sleep is waited for in the next step's collectives
         self._last_end_t = time.perf_counter()
         self.goodput.boundary_done(step, self._last_end_t)
         self._last_boundary = boundary
@@ -404,6 +420,7 @@ class TrainingSession:
         closing_s = time.perf_counter() - start
         self.goodput.end(closing_s, _end_reason(self.stopping, failure, error), stopped=self.stopping is not None)
         self.peers.close()
+        self.stragglers.close()
         if self.stopping is None:
             self.health.close()
         if error is not None:

@@ -104,6 +104,7 @@ class SessionGoodput:
         self.data: DataWaitMonitor | None = None
         self.telemetry: CheckpointTelemetry | None = None
         self.stalled_s = 0.0  # every second saves blocked training so far
+        self.data_wait_s = 0.0  # every second this rank waited for data so far
         self._stall_seen = manager.stats.stall_s
         self._blocking_depth = 0
         self._started = False
@@ -154,6 +155,7 @@ class SessionGoodput:
             t0, stalled, paused = self._gap_from
             wait_s = max(0.0, now - t0 - (self.stalled_s - stalled) - (self._paused_s - paused))
         if wait_s is not None:
+            self.data_wait_s += wait_s
             if self.ledger is not None:
                 self.ledger.data_wait(wait_s)
             if self.data is not None and self._batch_t is not None:
@@ -199,6 +201,11 @@ class SessionGoodput:
             self.ledger.fault(lost, outcome.step)
             self.ledger.emergency(outcome.seconds, f"survivor save of step {outcome.step}")
             self.ledger.end(ended)
+
+    def note(self, kind: str, **fields: Any) -> None:
+        """An event of the run for ``resilience report`` (a straggler), written by the main process."""
+        if self.ledger is not None:
+            self.ledger.note(kind, **fields)
 
     def end(self, closing_s: float, reason: str, *, stopped: bool) -> None:
         """The session ends with ``reason`` after ``closing_s`` of last writes: an emergency's after a stop,
@@ -269,6 +276,7 @@ class SessionGoodput:
     def _fetched(self, wait_s: float) -> None:
         """One ``next()`` returned after ``wait_s``, of which the boundary took ``_inside_s``."""
         self._fetch_inside_s, self._inside_s = self._inside_s, 0.0
+        self.data_wait_s += max(0.0, wait_s - self._fetch_inside_s)
         if self.ledger is not None:
             self.ledger.data_wait(max(0.0, wait_s - self._fetch_inside_s))
 

@@ -86,11 +86,31 @@ def render_table(summary: GoodputSummary) -> str:
             "checkpoint, its checksums, reading it; INTO MODEL: the state put into the model; FIRST STEP: the first "
             "training step after it."
         )
+    lines += _stragglers(summary)
     if summary.skipped_lines:
         lines.append(
             f"{summary.skipped_lines} unreadable ledger line(s) skipped (a kill mid-write tears the last one)."
         )
     return "\n".join(lines)
+
+
+def _stragglers(summary: GoodputSummary) -> list[str]:
+    """The ranks found slower than their peers (and replaced), from the ledger's straggler events."""
+    events = [(inc.index, e) for inc in summary.incarnations for e in inc.events if e["e"].startswith("straggler")]
+    if not events:
+        return []
+    lines = ["", "Stragglers: ranks persistently slower than their peers (#: the incarnation; per step):"]
+    for index, event in events:
+        if event["e"] == "straggler_replaced":
+            lines.append(f"{index:>3}  step {event.get('step')}: rank {event.get('rank')} replaced by a spare")
+            continue
+        lines.append(
+            f"{index:>3}  step {event.get('step')}: rank {event.get('rank')} at {event.get('ratio', 0):.2f}x "
+            f"(compute {1e3 * event.get('extra_compute_s', 0):+.1f} ms, data wait "
+            f"{1e3 * event.get('extra_data_s', 0):+.1f} ms; the others waited "
+            f"{1e3 * event.get('others_wait_s', 0):.1f} ms in collectives)"
+        )
+    return lines
 
 
 def run_report(run_dir: str, *, as_json: bool = False, plot: str | None = None) -> int:

@@ -106,6 +106,7 @@ class Incarnation:
         row = asdict(self)
         row.pop("spans")
         row.pop("events")
+        row["stragglers"] = [e for e in self.events if e["e"].startswith("straggler")]
         row["uptime_s"] = self.uptime_s
         row["recovery_s"] = self.recovery_s
         return row

@@ -453,6 +453,12 @@ class HealthGuard:
 
     # ---- for adapters and metrics --------------------------------------------------------------------------
 
+    @property
+    def planned(self) -> tuple[Injection, ...]:
+        """Every planned fault (the config's, ``RESILIENCE_INJECT`` and :meth:`inject`'s), all ranks': a slow rank's
+        drill is fired by the session's straggler part, not here."""
+        return tuple(self._injections)
+
     def add_listener(self, listener: Listener) -> None:
         self.events.listeners.append(listener)
 

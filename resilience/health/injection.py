@@ -9,6 +9,8 @@ separated by ``;``::
            ecc                 a double-bit ECC event
            gpu_lost            every NVML call answers NVMLError_GpuIsLost from then on
            signal=<name|num>   that signal sent to this process, e.g. signal=SIGTERM, signal=USR1
+           slow=<factor>       from then on each step of this rank takes <factor> times as long (a straggler:
+                               a sleep at its step boundary, see :mod:`resilience.health.stragglers`)
     step=N fires at the first step boundary whose step is >= N
     rank=R only on global rank R (default: on every rank)
 
@@ -17,15 +19,18 @@ Examples::
     RESILIENCE_INJECT="xid=79@step=5,rank=1"
     RESILIENCE_INJECT="ecc@step=3"
     RESILIENCE_INJECT="gpu_lost@step=4,rank=0;signal=SIGTERM@step=7"
+    RESILIENCE_INJECT="slow=2.0@step=0,rank=1"
 
 GPU faults are injected by faking NVML's answers at the call boundary (see
 :class:`~resilience.health.simulated.SimulatedNVML`), so the real monitor code path reports them; without a
-driver they go to a simulated GPU. A signal is really sent, so the real handler runs.
+driver they go to a simulated GPU. A signal is really sent, so the real handler runs. A slow rank is slowed by
+the session's straggler part, not here. Each fault fires once per job: a run restarted past its step skips it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -38,12 +43,13 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "RESILIENCE_INJECT"
 SYNTAX = (
-    "FAULT@step=N[,rank=R], several joined by ';', where FAULT is xid=<number>, ecc, gpu_lost or "
-    "signal=<SIGTERM|SIGUSR1|number>; e.g. 'xid=79@step=5,rank=1;signal=SIGTERM@step=7'"
+    "FAULT@step=N[,rank=R], several joined by ';', where FAULT is xid=<number>, ecc, gpu_lost, "
+    "signal=<SIGTERM|SIGUSR1|number> or slow=<factor above 1>; e.g. 'xid=79@step=5,rank=1;signal=SIGTERM@step=7'"
 )
+SLOW = "slow"
 # The event kind each GPU fault shows up as once the monitor has seen it.
 _GPU_FAULTS = {"xid": Kind.XID, "ecc": Kind.ECC_DOUBLE_BIT, "gpu_lost": Kind.GPU_LOST}
-_FAULTS = (*_GPU_FAULTS, "signal")
+_FAULTS = (*_GPU_FAULTS, "signal", SLOW)
 
 
 class InjectionSyntaxError(ConfigError):
@@ -52,17 +58,23 @@ class InjectionSyntaxError(ConfigError):
 
 @dataclass(frozen=True)
 class Injection:
-    """One planned fault. ``value`` is the XID for ``xid`` and the signal number for ``signal``."""
+    """One planned fault. ``value`` is the XID for ``xid`` and the signal number for ``signal``; ``factor`` how many
+    times as long each step of a ``slow`` rank takes."""
 
     fault: str
     step: int
     rank: int | None = None
     value: int | None = None
+    factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.fault not in _FAULTS:
             raise InjectionSyntaxError(f"unknown fault {self.fault!r}; syntax: {SYNTAX}")
-        if (self.value is None) != (self.fault in ("ecc", "gpu_lost")):
+        if (self.factor is not None) != (self.fault == SLOW) or (
+            self.factor is not None and not 1 < self.factor < math.inf
+        ):
+            raise InjectionSyntaxError(f"slow needs a factor above 1, e.g. slow=2.0; syntax: {SYNTAX}")
+        if (self.value is None) != (self.fault in ("ecc", "gpu_lost", SLOW)):
             need = "needs a value" if self.value is None else "takes no value"
             raise InjectionSyntaxError(f"fault {self.fault!r} {need}; syntax: {SYNTAX}")
         if self.step < 0 or (self.rank is not None and self.rank < 0):
@@ -75,6 +87,7 @@ class Injection:
 
     def __str__(self) -> str:
         value = "" if self.value is None else f"={self.value}"
+        value = f"={self.factor:g}" if self.factor is not None else value
         rank = "" if self.rank is None else f",rank={self.rank}"
         return f"{self.fault}{value}@step={self.step}{rank}"
 
@@ -96,7 +109,15 @@ def _parse_one(part: str) -> Injection:
     if fault not in _FAULTS:
         raise bad(f"unknown fault {fault!r}")
     value: int | None = None
-    if fault == "xid":
+    factor: float | None = None
+    if fault == SLOW:
+        try:
+            factor = float(value_text)
+        except ValueError:
+            raise bad("slow needs a factor, e.g. slow=2.0") from None
+        if not 1 < factor < math.inf:
+            raise bad(f"slow={value_text}: use a finite factor above 1 (2.0: each step takes twice as long)")
+    elif fault == "xid":
         if not value_text.isdigit():
             raise bad("xid needs a number, e.g. xid=79")
         value = int(value_text)
@@ -119,11 +140,21 @@ def _parse_one(part: str) -> Injection:
         fields[key] = int(number)
     if "step" not in fields:
         raise bad("missing step=N")
-    return Injection(fault, fields["step"], fields.get("rank"), value)
+    return Injection(fault, fields["step"], fields.get("rank"), value, factor)
+
+
+def due_in_this_run(pending: list[Injection], first_step: int, rank: int) -> list[Injection]:
+    """``pending`` (sorted by step) less what was due before this process's first step ``first_step``: a restarted
+    run resumed past a fault's step does not fire it again (the drill already happened in the run that was there).
+    """
+    skipped = [i for i in pending if i.step < first_step]
+    for injection in skipped:
+        log.info("rank %d: %s was due before this run's first step %d; not injected", rank, injection, first_step)
+    return pending[len(skipped) :]
 
 
 class FaultInjector:
-    """Fires this rank's planned faults at step boundaries.
+    """Fires this rank's planned faults at step boundaries (a slow rank's are the straggler part's).
 
     Args:
         injections: The plan (all ranks); only this rank's entries are kept.
@@ -134,7 +165,8 @@ class FaultInjector:
     def __init__(self, injections: list[Injection], rank: int, nvml: SimulatedNVML | None = None):
         self.rank = rank
         self.nvml = nvml
-        self.pending = sorted((i for i in injections if i.rank in (None, rank)), key=lambda i: i.step)
+        mine = (i for i in injections if i.rank in (None, rank) and i.fault != SLOW)
+        self.pending = sorted(mine, key=lambda i: i.step)
         self._first_step: int | None = None
         if nvml is None and any(i.kind is not None for i in self.pending):
             raise ConfigError("GPU fault injection needs an NVML stand-in to inject into")
@@ -147,12 +179,7 @@ class FaultInjector:
         """
         if self._first_step is None:
             self._first_step = step
-            skipped = [i for i in self.pending if i.step < step]
-            self.pending = self.pending[len(skipped) :]
-            for injection in skipped:
-                log.info(
-                    "rank %d: %s was due before this run's first step %d; not injected", self.rank, injection, step
-                )
+            self.pending = due_in_this_run(self.pending, step, self.rank)
         due = [i for i in self.pending if i.step <= step]
         self.pending = self.pending[len(due) :]
         for injection in due:

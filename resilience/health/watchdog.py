@@ -1,8 +1,11 @@
-"""Hang and straggler detection: a step far slower than usual is reported while it is still running.
+"""Hang detection: one step far longer than usual is reported while it is still running.
 
 A collective that never completes blocks the training thread, so nothing on that thread can notice; this
 watchdog's thread can, and its warning names the rank, which is what one needs to find the bad node among
 thousands. The work per step is one append and a median of at most ``window`` floats.
+
+A hang is one long step. A rank persistently slower than its peers (a straggler) makes every rank's steps
+longer alike, so no single step stands out here: :mod:`resilience.health.stragglers` compares the ranks for that.
 """
 
 from __future__ import annotations
@@ -102,5 +105,6 @@ class HangWatchdog:
             Kind.HANG,
             self.table.kind(Kind.HANG),
             f"{elapsed:.1f} s since step {step} finished, over the limit of {limit:.1f} s "
-            f"({self.factor:g} x median step {median:.3g} s): a hang or a straggler on this rank",
+            f"({self.factor:g} x median step {median:.3g} s): a hang seen from this rank (it, or a peer it waits "
+            "for, may be stuck)",
         )
