@@ -187,6 +187,9 @@ class ResilientCheckpointIO(CheckpointIO):
         self._manager: CheckpointManager | None = None
         self._session: TrainingSession | None = None
         self._session_of: pl.Trainer | None = None
+        # whose state each step the engine saved or loaded in this process holds: a second name for a step reuses
+        # it only for the same Trainer (another Trainer sharing the plugin may reach the same step numbers)
+        self._owners: weakref.WeakValueDictionary[int, pl.Trainer] = weakref.WeakValueDictionary()
         self._names: NameWriter | None = None
         self.sync_names_below_mb = sync_names_below_mb
         self.resumed_at_epoch_end = False
@@ -227,7 +230,7 @@ class ResilientCheckpointIO(CheckpointIO):
         else:
             session = TrainingSession(
                 manager,
-                lambda step: full_state(trainer),
+                lambda step: self._owned(step, trainer, full_state(trainer)),
                 is_main=trainer.is_global_zero,
                 boundary=lambda step: boundary_snapshot(trainer, step),
             )
@@ -267,6 +270,10 @@ class ResilientCheckpointIO(CheckpointIO):
     def manager(self) -> CheckpointManager:
         return self.session.manager
 
+    def _owned(self, step: int, trainer: pl.Trainer, state: SaveState) -> SaveState:
+        self._owners[step] = trainer
+        return state
+
     def _protected_steps(self) -> set[int]:
         return self._names.pending_steps() if self._names is not None else set()
 
@@ -300,22 +307,29 @@ class ResilientCheckpointIO(CheckpointIO):
                     "synchronous Lightning file written by rank 0. For asynchronous saves in which every rank "
                     "writes its own part, use strategy='resilient_ddp'."
                 )
-            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self._plain_file(checkpoint, path, storage_options)
             return
         fitting, weights_only = _fitting(trainer), is_weights_only(checkpoint)
         if weights_only and not (fitting or (trainer is not None and layout is not None)):
             # no Trainer known to be this save's (outside a fit only a pack strategy, binding its own at each save,
             # makes it sure): a weights-only dict must not become a step that a resume would take for a full
             # checkpoint, so it is written as Lightning writes it
-            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self._plain_file(checkpoint, path, storage_options)
             return
         size = tensor_bytes(checkpoint)
         session = self._session_for(trainer, tensor_bytes(checkpoint.get("state_dict")))
         step, names = int(checkpoint.get("global_step", 0)), self._names
+        held = session.manager.saved(step)
+        if held is not None and (trainer is None or self._owners.get(step) is not trainer) and layout != SHARDED:
+            # the engine holds this step from another Trainer's state, or nothing proves it is this one's: the file
+            # is Lightning's own, from the dict in hand (written once, by rank 0)
+            if session.is_main:
+                self._plain_file(checkpoint, path, storage_options)
+            return
         # small, or nothing to overlap with: the name is there when the call returns, as with Lightning's plugin
         now = not fitting or size < self.sync_names_below_mb * 2**20
         with session.blocking():
-            handle = session.manager.saved(step)
+            handle = held if held is not None and self._owners.get(step) is trainer else None
             if handle is None:
                 # a weights-only name is cut from a full checkpoint of its step, which also serves a resume
                 if weights_only:
@@ -323,6 +337,8 @@ class ResilientCheckpointIO(CheckpointIO):
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
+                if trainer is not None:
+                    self._owners[step] = trainer
                 # made for a name, which copies what rank 0 did not stage (other ranks' shares, a URL name's
                 # all) from the shards and needs its records' CRC-32s: torch's pass records them in the shards
                 # unless the name's writer computes them faster as it copies
@@ -337,6 +353,13 @@ class ResilientCheckpointIO(CheckpointIO):
             publish(names, where, step, checkpoint, handle, run_id, layout or FILE, storage_options, write, now=now)
         if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
             session.manager.rest(wait=False)
+
+    def _plain_file(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
+        """Lightning's own file of ``checkpoint`` at ``path``; a name recorded there before is forgotten first, so
+        a load of ``path`` reads this file, not that name's step."""
+        if self._names is not None:
+            self._names.forget(os.fspath(path))
+        TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -361,6 +384,8 @@ class ResilientCheckpointIO(CheckpointIO):
                 f"No committed checkpoint verifies under {where}: start without ckpt_path, or run `resilience ls`"
             )
         self.resumed_at_epoch_end = saved_at_epoch_end(restored.state)
+        if self._trainer is not None:
+            self._owners[restored.step] = self._trainer
         if restored.rank_state is not None:
             restore_rng(restored.rank_state["rng"])  # now, and again where the saved run stood (below, AutoResume)
         session.restored(restored, rng_at="start" if self.resumed_at_epoch_end else "next_batch")
@@ -395,10 +420,12 @@ class ResilientCheckpointIO(CheckpointIO):
         """A Trainer is picklable (``torch.save(trainer)``): the settings travel, the engine's threads do not."""
         state = dict(self.__dict__)
         state.update(_trainer=None, _manager=None, _session=None, _session_of=None, _names=None)
+        del state["_owners"]  # made again, empty, by __setstate__ (it holds weak references)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._owners = weakref.WeakValueDictionary()
         _LIVE.add(self)
 
 

@@ -30,11 +30,14 @@ from tests.helpers import ROOT, base_env
 
 
 class BindsThePlugin(pl.Callback):
-    """What the pack's callbacks and strategies do in their hooks: tell the plugin its Trainer. These tests are
-    about the names of saves made inside a fit; the plugin alone, which nobody binds, cannot tell those from saves
-    after it, and makes every save synchronous (:func:`test_the_plugin_alone_returns_each_save_on_disk`)."""
+    """What the pack's callbacks do in their hooks: tell the plugin its Trainer. These tests are about the names
+    of saves made inside a fit; the plugin alone, which nobody binds, cannot tell those from saves after it, and
+    makes every save synchronous (:func:`test_the_plugin_alone_returns_each_save_on_disk`)."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.on_save_checkpoint(trainer, pl_module, {})
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
         io = trainer.strategy.checkpoint_io
         assert isinstance(io, ResilientCheckpointIO)
         io.bind(trainer)
@@ -229,6 +232,25 @@ def test_the_plugin_alone_returns_each_save_on_disk(tmp_path: Path) -> None:
     weights = torch.load(tmp_path / "weights.ckpt", weights_only=True)
     assert "optimizer_states" not in weights and METADATA_KEY not in weights
     assert committed(tmp_path) == {4, 6}  # keep_last=2, and no step for the weights-only file
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "plugin-alone"])
+def test_a_second_trainer_sharing_the_plugin_names_its_own_state_at_the_same_steps(tmp_path: Path, bound: bool) -> None:
+    """The engine holds steps 4 and 8 of the first Trainer's model; the second reaches the same step numbers with
+    another model, and its names hold that model, never the first's steps."""
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), keep_last=3, sync_names_below_mb=0.0, persist="thread")
+    first = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=4, save_top_k=-1)
+    trainer_for(tmp_path, first, max_steps=8, io=io).fit(DemoModel(), DemoData())
+    second = ModelCheckpoint(dirpath=tmp_path / "second", every_n_train_steps=4, save_top_k=-1)
+    trainer = trainer_for(tmp_path, second, max_steps=8, io=io, bound=bound)
+    model = DemoModel(hidden=16)
+    trainer.fit(model, DemoData())
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    final = model.net[0].weight
+    step_4 = torch.load(tmp_path / "second" / "epoch=0-step=4.ckpt", weights_only=True)["state_dict"]
+    assert step_4["net.0.weight"].shape == final.shape
+    for path in (tmp_path / "second" / "epoch=0-step=8.ckpt", tmp_path / "after.ckpt"):
+        assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["net.0.weight"], final), path
 
 
 def test_a_name_whose_step_retention_deleted_loads_as_the_file_it_is(tmp_path: Path) -> None:
