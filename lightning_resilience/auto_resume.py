@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -10,11 +11,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_resilience.checkpoint_io import ResilientCheckpointIO, calling_trainer, live_checkpoint_ios
+from lightning_resilience.checkpoint_io import ResilientCheckpointIO, live_checkpoint_ios
 from lightning_resilience.session_callback import SessionCallback
 from resilience.checkpoint import continuity
 from resilience.errors import ConfigError, ResilienceError
@@ -54,11 +56,13 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
 
     @property
     def io(self) -> ResilientCheckpointIO:
-        """The plugin given, else that of the Trainer asking (Lightning asks for ``ckpt_path`` from within
-        ``fit``), else the only one in the process."""
+        """The plugin given, else that of the Trainer this callback was last set up in, else the only one in the
+        process."""
+        return self._io_of(self._trainer)
+
+    def _io_of(self, trainer: pl.Trainer | None) -> ResilientCheckpointIO:
         if self._io is not None:
             return self._io
-        trainer = calling_trainer()
         if trainer is not None and isinstance(trainer.strategy.checkpoint_io, ResilientCheckpointIO):
             return trainer.strategy.checkpoint_io
         found = live_checkpoint_ios()
@@ -72,19 +76,20 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     @property
     def ckpt_path(self) -> str | None:  # type: ignore[override]
         """Evaluated by Lightning before the process group exists, so it only reads storage (same on every rank)."""
+        trainer = _trainer_reading_ckpt_path() or self._trainer
+        io = self._io_of(trainer)
         try:
-            found = catalog.candidates(self.io.config.tiers())
+            found = catalog.candidates(io.config.tiers())
         except ResilienceError:
             raise
         except Exception as exc:
             raise ConfigError(f"AutoResume could not list the checkpoints ({type(exc).__name__}: {exc})") from exc
         if not found:
             return None
-        trainer = calling_trainer()
         if trainer is not None and found[0].manifest is not None:
             # now, before the Trainer first asks its loggers for their folders (the profiler, ModelCheckpoint)
             continue_loggers(trainer, found[0].manifest.extra.get("logger_versions") or [], found[0].step)
-        return write_resume_marker(self.io.config.local_root)
+        return write_resume_marker(io.config.local_root)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -104,7 +109,7 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         _warn_if_order_is_not_resumable(trainer)
-        self._replay_seed_draws = self.io.resumed_at_epoch_end and trainer.global_step > 0
+        self._replay_seed_draws = self._io_of(trainer).resumed_at_epoch_end and trainer.global_step > 0
 
     @override
     def on_train_batch_start(
@@ -122,6 +127,31 @@ class AutoResume(SessionCallback, OnExceptionCheckpoint):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+
+_PARSE_CKPT_PATH = _CheckpointConnector._parse_ckpt_path.__code__
+
+
+def _trainer_reading_ckpt_path() -> pl.Trainer | None:
+    """The Trainer whose ``fit``, ``validate``, ``test`` or ``predict`` is reading ``AutoResume.ckpt_path`` now.
+
+    The pack's one look at its callers, for the one moment no hook reaches: Lightning reads ``ckpt_path`` in
+    ``_CheckpointConnector._parse_ckpt_path``, before any hook of the run (callbacks' ``setup`` and the strategy's
+    ``connect`` come after; by ``setup`` the loggers have chosen their folders). There ``AutoResume`` must know
+    the Trainer: to give its loggers the saved run's versions before they choose, and to take that Trainer's
+    plugin when several are alive (an in-place restart makes a second). Only that function's own frame counts,
+    found among the nearest three (between it and the property sits its set comprehension before Python 3.12).
+    Anyone else reading the property gets None, and the Trainer ``setup`` gave this callback.
+    """
+    frame = sys._getframe(1)
+    for _ in range(3):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        if frame.f_code is _PARSE_CKPT_PATH:
+            connector = frame.f_locals.get("self")
+            return connector.trainer if isinstance(connector, _CheckpointConnector) else None
+    return None
 
 
 def continue_loggers(trainer: pl.Trainer, versions: list[Any], step: int) -> None:

@@ -1,17 +1,26 @@
 """``ResilientCheckpointIO``: Lightning's CheckpointIO plugin, backed by the async sharded engine.
 
 Lightning hands a CheckpointIO only a dict and a path; it never says which Trainer is calling or whether a
-fit is running. Both matter here (a save inside ``fit()`` is asynchronous, one after it must be on disk when
-it returns, and the pack's own saves need the Trainer to build the state), so the plugin finds the Trainer
-in its caller's frames (``Trainer.save_checkpoint`` and the checkpoint connector are always there) and binds
-to it: that Trainer's loggers receive the pack's metrics and its hooks drive the training session.
+fit is running. Both matter here: a save inside ``fit()`` is asynchronous, one after it must be on disk when
+it returns, and the pack's own saves need the Trainer to build the state. So the pack tells the plugin its
+Trainer from Lightning's own hooks (:meth:`ResilientCheckpointIO.bind`):
+
+* the pack's strategies in ``connect`` (the start of every run, before any load) and in each save;
+* the pack's callbacks in ``setup`` (every stage, before any load) and ``on_save_checkpoint`` (before every
+  full save, also ``Trainer.save_checkpoint`` after ``fit()``).
+
+The plugin's ``teardown``, which Lightning calls at the end of every run, unbinds it. A plugin nobody bound (used
+alone with Lightning's own strategy, or a weights-only save after ``fit()``, which runs no callback hook) cannot
+tell a save inside a fit from one after it, so it takes the safe side: each save returns once its step is
+committed and its file written, and a weights-only one is written as Lightning writes it, without becoming a
+step a resume could take for a full checkpoint. The bound Trainer's loggers receive the pack's metrics and its
+hooks drive the training session.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import weakref
 from collections.abc import Collection
 from typing import Any
@@ -38,6 +47,7 @@ from resilience.config import (
     VerifyLevel,
     WhenBusy,
     auto_persist,
+    auto_persist_for_bytes,
     persist_until_known,
 )
 from resilience.dist import first_process_of_node, is_distributed
@@ -47,7 +57,7 @@ from resilience.formats.names import FILE, SHARDED, NameWriter, publish, remove,
 from resilience.logs import route_through
 from resilience.persist.fork_server import start_server_early, stop_early_server
 from resilience.recovery.peer_loss import PeerLossConfig
-from resilience.session import TrainingSession
+from resilience.session import SaveState, TrainingSession
 from resilience.storage.tiers import LocalTier
 
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
@@ -76,7 +86,10 @@ class ResilientCheckpointIO(CheckpointIO):
     by a manifest, and uploaded to ``durable_url``. The path Lightning asks for becomes an ordinary Lightning
     checkpoint file, written from the committed step in the background (``load_from_checkpoint``,
     ``torch.load`` and Trainers without this plugin read it). A save outside ``fit()`` returns once committed
-    and its file written. Under DDP use ``strategy="resilient_ddp"`` so every rank writes its part.
+    and its file written. Under DDP use ``strategy="resilient_ddp"`` so every rank writes its part. Used alone
+    with Lightning's own strategy (no callback of the pack), the plugin is never told that a fit is running,
+    so every save returns once committed and its file written: add one of the pack's callbacks
+    (``AutoResume``) for asynchronous saves.
 
     Args:
         local_root: Directory of the fast tier (node-local NVMe, or a shared file system). Each checkpoint is
@@ -169,9 +182,13 @@ class ResilientCheckpointIO(CheckpointIO):
         if first_process_of_node():  # storage problems show now, before any training, with or without AutoResume
             for tier in self.config.tiers():
                 tier.check_writable()
-        self._trainer: pl.Trainer | None = None
+        self._trainer: pl.Trainer | None = None  # bound by the pack's hooks; None between runs
         self._manager: CheckpointManager | None = None
         self._session: TrainingSession | None = None
+        self._session_of: pl.Trainer | None = None
+        # whose state each step the engine saved or loaded in this process holds: a second name for a step reuses
+        # it only for the same Trainer (another Trainer sharing the plugin may reach the same step numbers)
+        self._owners: weakref.WeakValueDictionary[int, pl.Trainer] = weakref.WeakValueDictionary()
         self._names: NameWriter | None = None
         self.sync_names_below_mb = sync_names_below_mb
         self.resumed_at_epoch_end = False
@@ -182,38 +199,66 @@ class ResilientCheckpointIO(CheckpointIO):
 
     # ---- the engine -----------------------------------------------------------------------------------------
 
-    def bind(self, trainer: pl.Trainer) -> TrainingSession:
-        """The training session of ``trainer``: collective the first time (every rank), like saves and loads.
+    def bind(self, trainer: pl.Trainer) -> None:
+        """Tell the plugin which Trainer runs it, which Lightning never does.
 
-        The engine lives as long as the plugin (saves after ``fit()`` continue the same run); each Trainer
-        that uses the plugin gets a session of its own, whose metrics go to that Trainer's loggers.
+        The pack's strategies call it in ``connect`` and in each save, its callbacks in ``setup`` and
+        ``on_save_checkpoint``; a callback of your own may call it from the same hooks, for asynchronous saves
+        with Lightning's own strategy and no callback of the pack. Local and cheap: the session is made at the
+        next save or load. The plugin's ``teardown`` (the end of each run) unbinds it.
         """
-        if self._session is not None and self._trainer is trainer and not self._session.ended:
+        self._trainer = trainer
+
+    @property
+    def session(self) -> TrainingSession:
+        """The training session of the bound Trainer, made at its first use on every rank together, like saves
+        and loads; unbound, a session of no Trainer, which saves and loads what it is given.
+
+        The engine lives as long as the plugin (saves after ``fit()`` continue the same run); each Trainer that
+        uses the plugin gets a session of its own, whose metrics go to that Trainer's loggers.
+        """
+        return self._session_for(self._trainer)
+
+    def _session_for(self, trainer: pl.Trainer | None, state_bytes: int | None = None) -> TrainingSession:
+        if self._session is not None and self._session_of is trainer and not self._session.ended:
             return self._session
         self._close_session()
-        manager = self._engine(trainer)
-        session = TrainingSession(
-            manager,
-            lambda step: full_state(trainer),
-            is_main=trainer.is_global_zero,
-            boundary=lambda step: boundary_snapshot(trainer, step),
-        )
-        session.add_sink(lambda metrics: _log(trainer, metrics))
+        manager = self._engine(trainer, state_bytes)
+        if trainer is None:
+            session = TrainingSession(manager, _unbound_state)
+        else:
+            session = TrainingSession(
+                manager,
+                lambda step: self._owned(step, trainer, full_state(trainer)),
+                is_main=trainer.is_global_zero,
+                boundary=lambda step: boundary_snapshot(trainer, step),
+            )
+            session.add_sink(lambda metrics: _log(trainer, metrics))
         session.use_peer_loss(PeerLossConfig(enabled=self.survivor_saves))
-        self._trainer, self._session = trainer, session
+        self._session, self._session_of = session, trainer
         return session
 
-    def _engine(self, trainer: pl.Trainer) -> CheckpointManager:
+    def _engine(self, trainer: pl.Trainer | None, state_bytes: int | None) -> CheckpointManager:
+        """The engine, made once for the plugin's life. Without a Trainer the model is unknown: the staging
+        barrier that suits any model (``"forward"``), and ``persist="auto"`` settled by the state's size."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self._manager is not None and (self._manager.closed or self._manager.world_size != world):
             self._manager.close()
             self._manager = self._names = None
         if self._manager is None:
-            model = trainer.lightning_module
-            config = barrier_for(self.config, [model] if model is not None else [])
-            sharded = getattr(trainer.strategy, "name_layout", FILE) == SHARDED
-            if self.persist == "auto" and model is not None and not sharded:  # a sharded model may not be made yet
-                config = dataclasses.replace(config, persist=auto_persist([model], world))
+            model = trainer.lightning_module if trainer is not None else None
+            if model is not None:
+                config = barrier_for(self.config, [model])
+            elif self.config.staging_barrier == "auto":
+                config = dataclasses.replace(self.config, staging_barrier="forward")
+            else:
+                config = self.config
+            sharded = trainer is not None and getattr(trainer.strategy, "name_layout", FILE) == SHARDED
+            if self.persist == "auto" and not sharded:  # a sharded model may not be made yet
+                if model is not None:
+                    config = dataclasses.replace(config, persist=auto_persist([model], world))
+                elif state_bytes is not None:
+                    config = dataclasses.replace(config, persist=auto_persist_for_bytes(state_bytes, world))
             if config.persist == "thread":
                 stop_early_server()
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
@@ -221,17 +266,12 @@ class ResilientCheckpointIO(CheckpointIO):
         return self._manager
 
     @property
-    def session(self) -> TrainingSession:
-        if self._session is not None:
-            return self._session
-        trainer = calling_trainer()
-        if trainer is None:
-            raise RuntimeError("ResilientCheckpointIO is used outside a Trainer: pass it as Trainer(plugins=[...])")
-        return self.bind(trainer)
-
-    @property
     def manager(self) -> CheckpointManager:
         return self.session.manager
+
+    def _owned(self, step: int, trainer: pl.Trainer, state: SaveState) -> SaveState:
+        self._owners[step] = trainer
+        return state
 
     def _protected_steps(self) -> set[int]:
         return self._names.pending_steps() if self._names is not None else set()
@@ -239,16 +279,24 @@ class ResilientCheckpointIO(CheckpointIO):
     # ---- CheckpointIO ---------------------------------------------------------------------------------------
 
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None, *, layout: str = FILE
+        self,
+        checkpoint: dict[str, Any],
+        path: _PATH,
+        storage_options: Any | None = None,
+        *,
+        layout: str | None = None,
     ) -> None:
-        """Inside ``fit()``: an asynchronous engine save, and the file at ``path`` once it is committed. Outside
-        it: the same engine save, and the file written at once, the way Lightning's own plugin writes it.
+        """Inside a fit of the bound Trainer: an asynchronous engine save, and the file at ``path`` once it is
+        committed. Otherwise: the same engine save, and the file written at once, the way Lightning's own plugin
+        writes it.
 
-        ``layout``: what ``path`` becomes, a Lightning checkpoint file (:data:`FILE`), or, from a sharded strategy,
-        Lightning's sharded checkpoint directory (:data:`SHARDED`), always made from the committed step.
+        ``layout``: given by the pack's strategies, which call this on every rank: what ``path`` becomes, a
+        Lightning checkpoint file (:data:`FILE`), or Lightning's sharded checkpoint directory (:data:`SHARDED`),
+        always made from the committed step. None: called by Lightning's own strategy, on rank 0 only under
+        several processes.
         """
-        trainer = calling_trainer() or self._trainer
-        if is_distributed() and not getattr(getattr(trainer, "strategy", None), "saves_on_every_rank", False):
+        trainer = self._trainer
+        if layout is None and is_distributed():
             # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
             # this way); a collective save would wait for ranks that never come: save as Lightning does, once.
             if not self._warned_rank0_only:
@@ -258,20 +306,38 @@ class ResilientCheckpointIO(CheckpointIO):
                     "synchronous Lightning file written by rank 0. For asynchronous saves in which every rank "
                     "writes its own part, use strategy='resilient_ddp'."
                 )
-            TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self._plain_file(checkpoint, path, storage_options)
             return
-        session = self.bind(trainer) if trainer is not None else self.session
-        step, names, fitting = int(checkpoint.get("global_step", 0)), self._names, _fitting(trainer)
+        fitting, weights_only = _fitting(trainer), is_weights_only(checkpoint)
+        if weights_only and not (fitting or (trainer is not None and layout is not None)):
+            # no Trainer known to be this save's (outside a fit only a pack strategy, binding its own at each save,
+            # makes it sure): a weights-only dict must not become a step that a resume would take for a full
+            # checkpoint, so it is written as Lightning writes it
+            self._plain_file(checkpoint, path, storage_options)
+            return
+        size = tensor_bytes(checkpoint)
+        session = self._session_for(trainer, tensor_bytes(checkpoint.get("state_dict")))
+        step, names = int(checkpoint.get("global_step", 0)), self._names
+        held = session.manager.saved(step)
+        if held is not None and (trainer is None or self._owners.get(step) is not trainer) and layout != SHARDED:
+            # the engine holds this step from another Trainer's state, or nothing proves it is this one's: the file
+            # is Lightning's own, from the dict in hand (written once, by rank 0)
+            if session.is_main:
+                self._plain_file(checkpoint, path, storage_options)
+            return
         # small, or nothing to overlap with: the name is there when the call returns, as with Lightning's plugin
-        now = not fitting or tensor_bytes(checkpoint) < self.sync_names_below_mb * 2**20
+        now = not fitting or size < self.sync_names_below_mb * 2**20
         with session.blocking():
-            handle = session.manager.saved(step)
+            handle = held if held is not None and self._owners.get(step) is trainer else None
             if handle is None:
                 # a weights-only name is cut from a full checkpoint of its step, which also serves a resume
-                if is_weights_only(checkpoint) and trainer is not None:
+                if weights_only:
+                    assert trainer is not None
                     state = full_state(trainer)
                 else:
                     state = split_checkpoint(checkpoint, trainer)
+                if trainer is not None:
+                    self._owners[step] = trainer
                 handle = session.save(step, state, reason="named")
 
             def lightnings_own(named: dict[str, Any]) -> None:  # outside fit(), as Lightning's tests expect
@@ -279,9 +345,16 @@ class ResilientCheckpointIO(CheckpointIO):
 
             write = None if fitting else lightnings_own
             run_id, where = session.manager.run_id, os.fspath(path)
-            publish(names, where, step, checkpoint, handle, run_id, layout, storage_options, write, now=now)
+            publish(names, where, step, checkpoint, handle, run_id, layout or FILE, storage_options, write, now=now)
         if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
             session.manager.rest(wait=False)
+
+    def _plain_file(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
+        """Lightning's own file of ``checkpoint`` at ``path``; a name recorded there before is forgotten first, so
+        a load of ``path`` reads this file, not that name's step."""
+        if self._names is not None:
+            self._names.forget(os.fspath(path))
+        TorchCheckpointIO().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
@@ -306,6 +379,8 @@ class ResilientCheckpointIO(CheckpointIO):
                 f"No committed checkpoint verifies under {where}: start without ckpt_path, or run `resilience ls`"
             )
         self.resumed_at_epoch_end = saved_at_epoch_end(restored.state)
+        if self._trainer is not None:
+            self._owners[restored.step] = self._trainer
         if restored.rank_state is not None:
             restore_rng(restored.rank_state["rng"])  # now, and again where the saved run stood (below, AutoResume)
         session.restored(restored, rng_at="start" if self.resumed_at_epoch_end else "next_batch")
@@ -320,12 +395,14 @@ class ResilientCheckpointIO(CheckpointIO):
         remove(self._names, os.fspath(path))
 
     def teardown(self) -> None:
-        """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits."""
+        """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits; the
+        run is over, so the plugin is unbound until a hook of the next binds it."""
+        self._trainer = None
         self._close_session()
 
     def _close_session(self) -> None:
         """End the session (ledger, monitors); the engine is drained, and stays for saves after training."""
-        session, self._session = self._session, None
+        session, self._session, self._session_of = self._session, None, None
         if session is None or session.ended:
             return
         try:
@@ -337,11 +414,13 @@ class ResilientCheckpointIO(CheckpointIO):
     def __getstate__(self) -> dict[str, Any]:
         """A Trainer is picklable (``torch.save(trainer)``): the settings travel, the engine's threads do not."""
         state = dict(self.__dict__)
-        state.update(_trainer=None, _manager=None, _session=None, _names=None)
+        state.update(_trainer=None, _manager=None, _session=None, _session_of=None, _names=None)
+        del state["_owners"]  # made again, empty, by __setstate__ (it holds weak references)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._owners = weakref.WeakValueDictionary()
         _LIVE.add(self)
 
 
@@ -349,20 +428,11 @@ def live_checkpoint_ios() -> list[ResilientCheckpointIO]:
     return list(_LIVE)
 
 
-def calling_trainer() -> pl.Trainer | None:
-    """The Trainer whose save or load is running (``Trainer.save_checkpoint``, the checkpoint connector)."""
-    frame = sys._getframe(1)
-    for _ in range(30):
-        frame = frame.f_back  # type: ignore[assignment]
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, pl.Trainer):
-            return owner
-        trainer = getattr(owner, "trainer", None) if owner is not None else None
-        if isinstance(trainer, pl.Trainer):
-            return trainer
-    return None
+def _unbound_state(step: int) -> SaveState:
+    raise RuntimeError(
+        "ResilientCheckpointIO is not bound to a Trainer, so it cannot build the state to save: the pack's "
+        "callbacks and strategies bind it in their hooks"
+    )
 
 
 def _fitting(trainer: pl.Trainer | None) -> bool:

@@ -2,7 +2,10 @@
 
 Each pack callback adds its part to the session (health, interval, goodput, resume) when it is set up; the
 hooks below are the same for all of them and idempotent in the session, so any one of them, or several,
-drive the step boundary exactly once per optimizer step.
+drive the step boundary exactly once per optimizer step. They also tell the plugin its Trainer, which Lightning
+never tells a CheckpointIO (``ResilientCheckpointIO.bind``): in ``setup``, which every stage runs before it loads a
+checkpoint, and in ``on_save_checkpoint``, which runs before every full save (``Trainer.save_checkpoint`` after
+``fit()`` too, when the plugin's teardown has unbound it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class SessionCallback(Callback):
 
     _session: TrainingSession | None = None
     _paused: AbstractContextManager[None] | None = None
+    _trainer: pl.Trainer | None = None  # from setup()
 
     def configure(self, session: TrainingSession, trainer: pl.Trainer) -> None:
         """Add this callback's part to the session (before training starts); collective where it must be."""
@@ -33,18 +37,30 @@ class SessionCallback(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        self._trainer = trainer
         io = trainer.strategy.checkpoint_io
+        if stage != "fit":  # validate/test/predict(ckpt_path=...) load through the plugin: it must know its Trainer
+            if isinstance(io, ResilientCheckpointIO):
+                io.bind(trainer)
+            return
         if not isinstance(io, ResilientCheckpointIO):
             raise TypeError(
                 f"{type(self).__name__} works through ResilientCheckpointIO: add it to the Trainer, "
                 "Trainer(plugins=[ResilientCheckpointIO(...)]) (or strategy='resilient_ddp' under DDP)"
             )
-        session = io.bind(trainer)
+        io.bind(trainer)
+        session = io.session  # collective: every rank runs setup
         if session is not self._session:
             self._session = session
             self.configure(session, trainer)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, ResilientCheckpointIO):
+            io.bind(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -100,5 +116,6 @@ class SessionCallback(Callback):
             self._session = None  # the plugin's teardown ends the session: last saves, ledger, monitors
 
     def __getstate__(self) -> dict[str, Any]:
-        """``torch.save(trainer)`` pickles callbacks: the live session stays behind."""
-        return {key: value for key, value in self.__dict__.items() if key not in ("_session", "_paused", "_signals")}
+        """``torch.save(trainer)`` pickles callbacks: the live session and the Trainer stay behind."""
+        left = ("_session", "_paused", "_signals", "_trainer")
+        return {key: value for key, value in self.__dict__.items() if key not in left}

@@ -6,12 +6,15 @@ state, but a sharded, deduplicated save is collective: every rank must join. Ove
 strategies (``ModelParallelStrategy``); it is selected by name (``strategy="resilient_ddp"``), by class, or by
 ``class_path`` in a LightningCLI config, and needs no change to the user's module or callbacks.
 ``EveryRankSaves`` is that override, shared with ``ResilientModelParallelStrategy`` (model_parallel_strategy.py).
+It also tells the plugin its Trainer (``ResilientCheckpointIO.bind``), which Lightning never tells a CheckpointIO:
+in ``connect``, the first thing of every run (fit, validate, test, predict), before any load, and in each save.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
@@ -26,11 +29,11 @@ class EveryRankSaves:
     ``names.SHARDED``).
     """
 
-    saves_on_every_rank = True  # what ResilientCheckpointIO checks before a collective save
     name_layout = FILE
     strategy_name: str
     description: str  # what Lightning's strategy registry lists
     _checkpoint_io: Any
+    lightning_module: pl.LightningModule | None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -52,12 +55,18 @@ class EveryRankSaves:
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
 
+    def connect(self, model: pl.LightningModule) -> None:
+        """Lightning's connect (the model's Trainer is attached by now), then the plugin learns that Trainer."""
+        super().connect(model)  # type: ignore[misc]
+        self.checkpoint_io.bind(model.trainer)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank writes its shards; rank 0's name for the checkpoint is the one all ranks use
         filepath = self.broadcast(filepath)  # type: ignore[attr-defined]
-        self.checkpoint_io.save_checkpoint(
-            checkpoint, filepath, storage_options=storage_options, layout=self.name_layout
-        )
+        io = self.checkpoint_io
+        assert self.lightning_module is not None  # Trainer.save_checkpoint refuses a Trainer without a model
+        io.bind(self.lightning_module.trainer)  # also after fit(), whose teardown unbound the plugin
+        io.save_checkpoint(checkpoint, filepath, storage_options=storage_options, layout=self.name_layout)
 
 
 class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):

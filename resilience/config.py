@@ -190,6 +190,11 @@ def auto_persist(modules: Iterable[torch.nn.Module], world_size: int) -> Persist
     the lost rank; a thread cannot be ended.
     """
     model_bytes = sum(t.numel() * t.element_size() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return auto_persist_for_bytes(model_bytes, world_size)
+
+
+def auto_persist_for_bytes(model_bytes: int, world_size: int) -> Persist:
+    """:func:`auto_persist` for a model known only by the bytes of its parameters and buffers (its state dict's)."""
     return "thread" if world_size == 1 and model_bytes < THREADS_BELOW_MODEL_BYTES else "process"
 
 

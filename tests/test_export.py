@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from accelerate_resilience import ResiliencePlugin, attach
 from examples.demo_model import DemoData, DemoModel
-from lightning_resilience import ResilientCheckpointIO
+from lightning_resilience import AutoResume, ResilientCheckpointIO
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.checkpoint.tree import flatten
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
@@ -46,7 +46,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """8 steps of the demo model with a full name every 4 steps and a weights-only name at step 8."""
+    """8 steps of the demo model with a full name every 4 steps and a weights-only name at step 8, both made from
+    engine steps: a callback of the pack (here ``AutoResume``, on a fresh root) tells the plugin its Trainer."""
     root = tmp_path_factory.mktemp("lightning")
     pl.seed_everything(7)
     trainer = pl.Trainer(
@@ -58,6 +59,7 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             ModelCheckpoint(
                 dirpath=root / "names", filename="weights-{step}", every_n_train_steps=8, save_weights_only=True
             ),
+            AutoResume(),
         ],
         max_steps=8,
         logger=False,

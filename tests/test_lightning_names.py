@@ -12,6 +12,7 @@ import sys
 import zipfile
 import zlib
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -29,15 +30,30 @@ from resilience.persist.direct_io import Window
 from tests.helpers import ROOT, base_env
 
 
+class BindsThePlugin(pl.Callback):
+    """What the pack's callbacks do in their hooks: tell the plugin its Trainer. These tests are about the names
+    of saves made inside a fit; the plugin alone, which nobody binds, cannot tell those from saves after it, and
+    makes every save synchronous (:func:`test_the_plugin_alone_returns_each_save_on_disk`)."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.on_save_checkpoint(trainer, pl_module, {})
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: Any) -> None:
+        io = trainer.strategy.checkpoint_io
+        assert isinstance(io, ResilientCheckpointIO)
+        io.bind(trainer)
+
+
 def trainer_for(
     root: Path,
     *callbacks: pl.Callback,
     max_steps: int = 12,
     io: ResilientCheckpointIO | None = None,
     sync_below_mb: float = 0.0,
+    bound: bool = True,
 ) -> pl.Trainer:
-    """``sync_below_mb=0``: every name is written in the background, as a large state's would be, by a helper
-    process as a large state's is."""
+    """``sync_below_mb=0``: every name of a save inside the fit is written in the background, as a large
+    state's would be, by a helper process as a large state's is."""
     pl.seed_everything(7)
     io = io or ResilientCheckpointIO(
         str(root / "ckpt"), keep_last=2, sync_names_below_mb=sync_below_mb, persist="process"
@@ -46,7 +62,7 @@ def trainer_for(
         accelerator="cpu",
         devices=1,
         plugins=[io],
-        callbacks=list(callbacks),
+        callbacks=[*callbacks, BindsThePlugin()] if bound else list(callbacks),
         max_steps=max_steps,
         logger=False,
         enable_progress_bar=False,
@@ -189,6 +205,54 @@ def test_a_weights_only_name_never_stands_in_for_a_full_one(tmp_path: Path) -> N
     resumed = trainer_for(tmp_path / "again", max_steps=12)  # another root: the file alone carries the state
     resumed.fit(DemoModel(), DemoData(), ckpt_path=tmp_path / "full" / "epoch=0-step=8.ckpt")
     assert resumed.global_step == 12
+
+
+class OnDiskWhenSaved(ModelCheckpoint):
+    """Records, right after each of its saves returns, whether the file and its committed step are there."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.found: list[tuple[bool, bool]] = []
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        manifest = Path(trainer.default_root_dir) / "ckpt" / f"step-{trainer.global_step}" / "manifest.json"
+        self.found.append((os.path.isfile(filepath), manifest.exists()))
+
+
+def test_the_plugin_alone_returns_each_save_on_disk(tmp_path: Path) -> None:
+    """With Lightning's own strategy and no callback of the pack, nothing tells the plugin its Trainer, so it
+    cannot tell a save inside a fit from one after it: every save is committed and its file written when it
+    returns, and a weights-only one (no callback hook runs for it) is Lightning's own file, never a step that a
+    resume would take for a full checkpoint."""
+    names = OnDiskWhenSaved(dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=-1)
+    trainer = trainer_for(tmp_path, names, max_steps=6, bound=False)  # names in the background, if it were bound
+    trainer.fit(DemoModel(), DemoData())
+    assert names.found == [(True, True)] * 3
+    assert_lightning_file(tmp_path / "names" / "epoch=0-step=6.ckpt", 6)
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    weights = torch.load(tmp_path / "weights.ckpt", weights_only=True)
+    assert "optimizer_states" not in weights and METADATA_KEY not in weights
+    assert committed(tmp_path) == {4, 6}  # keep_last=2, and no step for the weights-only file
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "plugin-alone"])
+def test_a_second_trainer_sharing_the_plugin_names_its_own_state_at_the_same_steps(tmp_path: Path, bound: bool) -> None:
+    """The engine holds steps 4 and 8 of the first Trainer's model; the second reaches the same step numbers with
+    another model, and its names hold that model, never the first's steps."""
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), keep_last=3, sync_names_below_mb=0.0, persist="thread")
+    first = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=4, save_top_k=-1)
+    trainer_for(tmp_path, first, max_steps=8, io=io).fit(DemoModel(), DemoData())
+    second = ModelCheckpoint(dirpath=tmp_path / "second", every_n_train_steps=4, save_top_k=-1)
+    trainer = trainer_for(tmp_path, second, max_steps=8, io=io, bound=bound)
+    model = DemoModel(hidden=16)
+    trainer.fit(model, DemoData())
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    final = model.net[0].weight
+    step_4 = torch.load(tmp_path / "second" / "epoch=0-step=4.ckpt", weights_only=True)["state_dict"]
+    assert step_4["net.0.weight"].shape == final.shape
+    for path in (tmp_path / "second" / "epoch=0-step=8.ckpt", tmp_path / "after.ckpt"):
+        assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["net.0.weight"], final), path
 
 
 def test_a_name_whose_step_retention_deleted_loads_as_the_file_it_is(tmp_path: Path) -> None:
