@@ -22,6 +22,12 @@ from tests.test_inplace import accelerate
 pytestmark = pytest.mark.timeout(300)
 
 
+def resilience_report(run_dir: Path, *options: str) -> str:
+    """What ``resilience report`` prints for ``run_dir``, as a user runs it."""
+    command = [sys.executable, "-m", "resilience.cli", "report", str(run_dir), *options]
+    return subprocess.run(command, env=base_env(), capture_output=True, text=True, check=True).stdout
+
+
 def test_slow_parses_with_a_factor_and_rejects_one_that_does_not_slow() -> None:
     assert parse_injections("slow=2.5@step=100,rank=1") == [Injection("slow", 100, 1, factor=2.5)]
     assert str(Injection("slow", 3, 1, factor=2.0)) == "slow=2@step=3,rank=1"
@@ -114,13 +120,7 @@ def test_a_rank_slowed_by_the_drill_is_named_within_a_few_windows_and_the_other_
     assert windows and all(m["stragglers/slowest_rank"] == 1 for m in windows[1:]), windows
     named = [m["step"] for m in windows if m["stragglers/slow_ranks"] >= 1]
     assert named and named[0] <= 12, windows  # two windows of 4 steps running, after the first (warm-up)
-    report = subprocess.run(
-        [sys.executable, "-m", "resilience.cli", "report", str(out / "ckpt")],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    report = resilience_report(out / "ckpt")
     assert "Stragglers" in report and "rank 1 at" in report and "rank 0 at" not in report, report
 
 
@@ -151,21 +151,9 @@ def test_with_replace_a_straggler_goes_to_a_warm_spare_and_the_job_ends_bit_exac
         assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
         for name, tensor in want["model"].items():
             assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
-    report = subprocess.run(
-        [sys.executable, "-m", "resilience.cli", "report", str(out / "ckpt")],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    report = resilience_report(out / "ckpt")
     assert f"step {step}: rank 1 replaced by a spare" in report, report
-    as_json = subprocess.run(
-        [sys.executable, "-m", "resilience.cli", "report", str(out / "ckpt"), "--json"],
-        env=base_env(),
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    as_json = resilience_report(out / "ckpt", "--json")
     first, second = json.loads(as_json)["incarnations"]
     assert [(e["e"], e["rank"], e["step"]) for e in first["stragglers"]] == [
         ("straggler", 1, step),
