@@ -103,16 +103,19 @@ def test_the_wait_in_collectives_runs_from_the_last_gradient_to_the_update_with_
         waits.close()
 
 
+# 2 Accelerate ranks under resilience launch, rank 1 slowed 2x from the start, compared every 4 steps
+SLOWED = {
+    "ACCELERATE_RESILIENCE_HEALTH": "1",
+    "RESILIENCE_INJECT": "slow=2.0@step=0,rank=1",
+    "RESILIENCE_STRAGGLER_WINDOW": "4",
+    "RESILIENCE_STRAGGLER_FACTOR": "1.3",  # rank 0 also writes the ledger and the metrics: a little slower
+    "TRAIN_STEP_SLEEP": "0.02",
+}
+
+
 def test_a_rank_slowed_by_the_drill_is_named_within_a_few_windows_and_the_other_never(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    code, output = accelerate(
-        out,
-        ACCELERATE_RESILIENCE_HEALTH="1",
-        RESILIENCE_INJECT="slow=2.0@step=0,rank=1",
-        RESILIENCE_STRAGGLER_WINDOW="4",
-        RESILIENCE_STRAGGLER_FACTOR="1.3",  # rank 0 also writes the ledger and the metrics: a little slower
-        TRAIN_STEP_SLEEP="0.02",
-    )
+    code, output = accelerate(out, **SLOWED)
     assert code == 0, output[-6000:]
     assert "rank 1 is a straggler" in output and "rank 0 is a straggler" not in output, output[-6000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -128,15 +131,7 @@ def test_with_replace_a_straggler_goes_to_a_warm_spare_and_the_job_ends_bit_exac
     code, output = accelerate(tmp_path / "reference")
     assert code == 0, output[-6000:]
     out = tmp_path / "run"
-    code, output = accelerate(
-        out,
-        ACCELERATE_RESILIENCE_HEALTH="1",
-        RESILIENCE_INJECT="slow=2.0@step=0,rank=1",
-        RESILIENCE_STRAGGLER_WINDOW="4",
-        RESILIENCE_STRAGGLER_FACTOR="1.3",
-        RESILIENCE_STRAGGLER_REPLACE="1",
-        TRAIN_STEP_SLEEP="0.02",
-    )
+    code, output = accelerate(out, **SLOWED, RESILIENCE_STRAGGLER_REPLACE="1")
     assert code == 0, output[-6000:]
     named = re.findall(r"at step (\d+): rank 1 is a straggler", output)
     assert len(named) == 1 and "rank 0 is a straggler" not in output, output[-6000:]
