@@ -257,7 +257,7 @@ class HealthGuard:
         self._nvml = nvml
         self._injections: list[Injection] = list(self.config.injections)
         self._injector = FaultInjector([], self.rank)
-        self._schedule = CheckSchedule(self.config.check_every_n_steps)
+        self._schedule: CheckSchedule  # by start(), which knows the drills
         self._started = False
         self._exiting = False
         self._closed = False
