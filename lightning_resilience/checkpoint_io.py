@@ -219,11 +219,11 @@ class ResilientCheckpointIO(CheckpointIO):
         """
         return self._session_for(self._trainer)
 
-    def _session_for(self, trainer: pl.Trainer | None, state_bytes: int | None = None) -> TrainingSession:
+    def _session_for(self, trainer: pl.Trainer | None, checkpoint: dict[str, Any] | None = None) -> TrainingSession:
         if self._session is not None and self._session_of is trainer and not self._session.ended:
             return self._session
         self._close_session()
-        manager = self._engine(trainer, state_bytes)
+        manager = self._engine(trainer, checkpoint)
         if trainer is None:
             session = TrainingSession(manager, _unbound_state)
         else:
@@ -238,9 +238,10 @@ class ResilientCheckpointIO(CheckpointIO):
         self._session, self._session_of = session, trainer
         return session
 
-    def _engine(self, trainer: pl.Trainer | None, state_bytes: int | None) -> CheckpointManager:
+    def _engine(self, trainer: pl.Trainer | None, checkpoint: dict[str, Any] | None) -> CheckpointManager:
         """The engine, made once for the plugin's life. Without a Trainer the model is unknown: the staging
-        barrier that suits any model (``"forward"``), and ``persist="auto"`` settled by the state's size."""
+        barrier that suits any model (``"forward"``), and ``persist="auto"`` settled by the size of the
+        ``state_dict`` of the ``checkpoint`` being saved."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self._manager is not None and (self._manager.closed or self._manager.world_size != world):
             self._manager.close()
@@ -257,8 +258,9 @@ class ResilientCheckpointIO(CheckpointIO):
             if self.persist == "auto" and not sharded:  # a sharded model may not be made yet
                 if model is not None:
                     config = dataclasses.replace(config, persist=auto_persist([model], world))
-                elif state_bytes is not None:
-                    config = dataclasses.replace(config, persist=auto_persist_for_bytes(state_bytes, world))
+                elif checkpoint is not None:
+                    model_bytes = tensor_bytes(checkpoint.get("state_dict"))
+                    config = dataclasses.replace(config, persist=auto_persist_for_bytes(model_bytes, world))
             if config.persist == "thread":
                 stop_early_server()
             self._manager = CheckpointManager(config, protected_steps=self._protected_steps)
@@ -316,7 +318,7 @@ class ResilientCheckpointIO(CheckpointIO):
             self._plain_file(checkpoint, path, storage_options)
             return
         size = tensor_bytes(checkpoint)
-        session = self._session_for(trainer, tensor_bytes(checkpoint.get("state_dict")))
+        session = self._session_for(trainer, checkpoint)
         step, names = int(checkpoint.get("global_step", 0)), self._names
         held = session.manager.saved(step)
         if held is not None and (trainer is None or self._owners.get(step) is not trainer) and layout != SHARDED:

@@ -38,17 +38,14 @@ class SessionCallback(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        io = trainer.strategy.checkpoint_io
-        if stage != "fit":  # validate/test/predict(ckpt_path=...) load through the plugin: it must know its Trainer
-            if isinstance(io, ResilientCheckpointIO):
-                io.bind(trainer)
+        io = _bind(trainer)  # validate/test/predict(ckpt_path=...) load through the plugin too
+        if stage != "fit":
             return
-        if not isinstance(io, ResilientCheckpointIO):
+        if io is None:
             raise TypeError(
                 f"{type(self).__name__} works through ResilientCheckpointIO: add it to the Trainer, "
                 "Trainer(plugins=[ResilientCheckpointIO(...)]) (or strategy='resilient_ddp' under DDP)"
             )
-        io.bind(trainer)
         session = io.session  # collective: every rank runs setup
         if session is not self._session:
             self._session = session
@@ -58,9 +55,7 @@ class SessionCallback(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, ResilientCheckpointIO):
-            io.bind(trainer)
+        _bind(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -119,3 +114,12 @@ class SessionCallback(Callback):
         """``torch.save(trainer)`` pickles callbacks: the live session and the Trainer stay behind."""
         left = ("_session", "_paused", "_signals", "_trainer")
         return {key: value for key, value in self.__dict__.items() if key not in left}
+
+
+def _bind(trainer: pl.Trainer) -> ResilientCheckpointIO | None:
+    """Tell the Trainer's plugin, if it is the pack's, that this Trainer runs it; that plugin, or None."""
+    io = trainer.strategy.checkpoint_io
+    if not isinstance(io, ResilientCheckpointIO):
+        return None
+    io.bind(trainer)
+    return io
