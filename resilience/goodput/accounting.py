@@ -276,9 +276,10 @@ class SessionGoodput:
     def _fetched(self, wait_s: float) -> None:
         """One ``next()`` returned after ``wait_s``, of which the boundary took ``_inside_s``."""
         self._fetch_inside_s, self._inside_s = self._inside_s, 0.0
-        self.data_wait_s += max(0.0, wait_s - self._fetch_inside_s)
+        waited = max(0.0, wait_s - self._fetch_inside_s)
+        self.data_wait_s += waited
         if self.ledger is not None:
-            self.ledger.data_wait(max(0.0, wait_s - self._fetch_inside_s))
+            self.ledger.data_wait(waited)
 
     def _fetch_recorded(self, wait_s: float, step_s: float, samples: int) -> None:
         self._inside_s = 0.0  # a fetch begins: boundary time from outside a timed fetch is not this one's
