@@ -117,6 +117,10 @@ class ResiliencePlugin:
         upload_backoff_s: First retry delay; doubles per attempt (with jitter), capped at 30 s. Default: 0.5.
         local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
             directory; ranks that write to different directories are different nodes, whatever their hostnames).
+        peer_copies: With node-local disks and a durable tier: after each durable commit, copy every rank's files
+            into the memory of a server on the next node, so a node lost whole is restored from its peers rather
+            than the durable tier. Costs each node, in host memory, its partner node's share of one checkpoint.
+            Default: true.
         allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from storage
             runs code when loaded. Default: false.
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a
@@ -168,6 +172,7 @@ class ResiliencePlugin:
     upload_retries: int | None = env.setting(5, env.integer)
     upload_backoff_s: float | None = env.setting(0.5, env.number)
     local_shared: bool | None = env.setting(None, env.boolean)
+    peer_copies: bool | None = env.setting(True, env.boolean)
     allow_pickle: bool | None = env.setting(False, env.boolean)
     health: bool | None = env.setting(False, env.boolean)
     grace_s: float | None = env.setting(25.0, env.number)

@@ -133,6 +133,9 @@ class ResilientCheckpointIO(CheckpointIO):
             runs code when loaded.
         local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
             directory; ranks that write to different directories are different nodes, whatever their hostnames).
+        peer_copies: With node-local disks and a durable tier: after each durable commit, copy every rank's files
+            into the memory of a server on the next node, so a node lost whole is restored from its peers rather
+            than the durable tier. Costs each node, in host memory, its partner node's share of one checkpoint.
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
         sync_names_below_mb: A checkpoint with less tensor data than this gets its file before ``save_checkpoint``
             returns (after the commit), so small runs see Lightning's own timing; larger ones get it in the
@@ -165,6 +168,7 @@ class ResilientCheckpointIO(CheckpointIO):
         on_upload_error: OnUploadError = "raise",
         allow_pickle: bool = False,
         local_shared: bool | None = None,
+        peer_copies: bool = True,
         collective_timeout_s: float = 600.0,
         sync_names_below_mb: float = 64.0,
         persist: PersistSetting = "auto",

@@ -19,6 +19,7 @@ from typing import Any
 
 from resilience import __version__
 from resilience.errors import CorruptCheckpointError, NoCheckpointError, ResilienceError
+from resilience.progress import size_text
 from resilience.storage import catalog
 from resilience.storage.layout import MANIFEST
 from resilience.storage.tiers import DurableTier, Tier
@@ -94,7 +95,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         status = "committed" if r["committed"] else "incomplete"
         print(
-            f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {_size(r['bytes']):>10}  "
+            f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {size_text(r['bytes']):>10}  "
             f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return EXIT_OK
@@ -134,7 +135,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"FAIL {exc}")
             continue
         assert entry.manifest is not None
-        print(f"OK   {entry.where()}: {len(entry.manifest.files)} files, {_size(entry.manifest.total_bytes)}")
+        print(f"OK   {entry.where()}: {len(entry.manifest.files)} files, {size_text(entry.manifest.total_bytes)}")
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -187,7 +188,9 @@ def cmd_upload(args: argparse.Namespace) -> int:
             on_bytes=on_bytes,
         )
         commit_durable(durable, entry.step, local.read_bytes(f"{entry.path}/{MANIFEST}"), RetryPolicy(args.retries))
-        print(f"OK   step {entry.step} committed in {durable.display(durable.step_path(entry.step))}: {_size(total)}")
+        print(
+            f"OK   step {entry.step} committed in {durable.display(durable.step_path(entry.step))}: {size_text(total)}"
+        )
     if not todo:
         print(f"nothing to upload: every committed checkpoint under {local.url} is already in {durable.url}")
     return EXIT_OK
@@ -223,7 +226,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if done.note:
         print(f"note: {done.note}", file=sys.stderr)
     files = ", ".join(done.files)
-    print(f"OK   step {done.step} -> {files} ({done.format}, {_size(done.tensor_bytes)} of tensors)")
+    print(f"OK   step {done.step} -> {files} ({done.format}, {size_text(done.tensor_bytes)} of tensors)")
     return EXIT_OK
 
 
@@ -265,7 +268,7 @@ def _progress_printer(label: str) -> Callable[..., None]:
         now = time.monotonic()
         if not done or not (last or now - last_t[0] >= 0.5 or done == total):
             return
-        text = f"{100.0 * done / total:5.1f}% ({_size(done)} of {_size(total)})" if total else _size(done)
+        text = f"{100.0 * done / total:5.1f}% ({size_text(done)} of {size_text(total)})" if total else size_text(done)
         if text != shown[0]:
             last_t[0], shown[0] = now, text
             print(f"  {label}: {text}", file=sys.stderr, flush=True)
@@ -275,15 +278,6 @@ def _progress_printer(label: str) -> Callable[..., None]:
 
 def _iso(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
 
 
 def _add_export(sub: Any) -> None:

@@ -70,6 +70,9 @@ class CheckpointConfig:
         collective_timeout_s: Timeout of the gloo groups the checkpoint collectives run on.
         local_shared: Whether every rank sees the same ``local_root`` (auto: all ranks on one machine, with one
             directory; ranks that write to different directories are different nodes, whatever their hostnames).
+        peer_copies: With node-local disks and a durable tier: after each durable commit, copy every rank's files
+            into the memory of a server on the next node, so a node lost whole is restored from its peers rather
+            than the durable tier. Costs each node, in host memory, its partner node's share of one checkpoint.
         persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):
             ``"process"``, a helper process per rank reading the staged state from shared memory, so none of it
             competes with the training thread for the interpreter lock; or ``"thread"``, threads of the
@@ -99,6 +102,7 @@ class CheckpointConfig:
     allow_pickle: bool = False
     collective_timeout_s: float = 600.0
     local_shared: bool | None = None
+    peer_copies: bool = True
     persist: Persist = "process"
     on_helper_death: Literal["restart", "raise"] = "restart"
 

@@ -1,4 +1,5 @@
-"""A line every so often while something long runs, so that a person watching knows it is not stuck."""
+"""A line every so often while something long runs, so that a person watching knows it is not stuck; sizes
+in words for such lines."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def still_going(
     finally:
         done.set()
         thread.join()
+
+
+def size_text(n: float) -> str:
+    """``512 B``, ``1.5 MiB``: a byte count for people."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

@@ -227,20 +227,44 @@ def reseal(step_dir: Path, name: str) -> None:
 
 
 def record_tier_opens(reads: list[tuple[str, str]], patch: Callable[[Any, str, Any], None] = setattr) -> None:
-    """Make every tier's ``open`` note each shard file it opens, with its tier, in ``reads`` (a local copy is
-    checked, then read). ``patch``: ``monkeypatch.setattr`` in a test, plain ``setattr`` in a worker."""
+    """Make every read of a checkpoint's files but its manifest note the file, with where it was read, in
+    ``reads``: a tier's ``open`` and ``read_bytes`` (by tier name; a local copy is checked, then read), and a
+    peer's memory (``"peer"``). ``patch``: ``monkeypatch.setattr`` in a test, plain ``setattr`` in a worker."""
+    from resilience.storage.layout import MANIFEST
+    from resilience.storage.peer_copies import PeerCopies
     from resilience.storage.tiers import LocalTier, Tier
+
+    def note(where: str, path: str) -> None:
+        if "/step-" in path and os.path.basename(path) != MANIFEST:
+            reads.append((where, os.path.basename(path)))
 
     for cls in (Tier, LocalTier):  # the local tier has an open of its own (it reads past the page cache)
         original = cls.__dict__["open"]
 
         def opened(self: Tier, path: str, mode: str = "rb", *, _original: Any = original) -> IO[bytes]:
             stream = _original(self, path, mode)  # only files that are there
-            if path.endswith(".distcp") and mode == "rb":
-                reads.append((self.name, os.path.basename(path)))
+            if mode == "rb":
+                note(self.name, path)
             return stream
 
         patch(cls, "open", opened)
+    read_bytes = Tier.read_bytes
+
+    def read_whole(self: Tier, path: str) -> bytes:
+        data = read_bytes(self, path)
+        note(self.name, path)
+        return data
+
+    fetch = PeerCopies.fetch
+
+    def fetched(self: PeerCopies, name: str) -> IO[bytes] | None:
+        stream = fetch(self, name)
+        if stream is not None:
+            note("peer", f"/step-{self.step}/{name}")
+        return stream
+
+    patch(Tier, "read_bytes", read_whole)
+    patch(PeerCopies, "fetch", fetched)
 
 
 S3_ENV = {

@@ -24,7 +24,7 @@ from resilience.checkpoint import shm
 from resilience.checkpoint.staging import SEGMENTS
 from resilience.cli import main as cli
 from resilience.persist.pipeline import Pipeline
-from resilience.storage.owners import process_start_ticks
+from resilience.storage.processes import process_start_ticks
 from resilience.storage.tiers import LocalTier
 from tests.helpers import base_env
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,8 @@ import torch
 from resilience import CheckpointConfig, CheckpointManager
 from resilience.dist import Topology, node_identity
 from resilience.storage.manifest import FileEntry, Manifest, hash_bytes
+from resilience.storage.peer_copies import held
+from resilience.storage.processes import process_start_ticks
 from tests.helpers import WORKERS, base_env, free_port, kill_job, record_tier_opens
 from tests.workers.engine_worker import check_restored, state_for
 
@@ -66,7 +69,8 @@ def saved_in_both_tiers(tmp_path: Path) -> tuple[Path, str]:
 def load_recording_reads(
     local: Path, durable: str, monkeypatch: pytest.MonkeyPatch, **settings: Any
 ) -> list[tuple[str, str]]:
-    """Load (the durable copy, as the local one is not loadable), check it bit-exact; the shard files opened."""
+    """Load (the durable copy, as the local one is not loadable), check it bit-exact; the files read, but its
+    manifest, with where each was read."""
     reads: list[tuple[str, str]] = []
     with monkeypatch.context() as patch:
         record_tier_opens(reads, patch.setattr)
@@ -76,6 +80,10 @@ def load_recording_reads(
     assert restored is not None and restored.tier == "durable"
     check_restored(restored, target, 1, 0, None)
     return reads
+
+
+def shards(reads: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(tier, name) for tier, name in reads if name.endswith(".distcp")]
 
 
 def test_a_durable_load_reads_the_shards_the_local_disk_holds_unchanged(
@@ -88,12 +96,15 @@ def test_a_durable_load_reads_the_shards_the_local_disk_holds_unchanged(
     (local / "step-1" / "manifest.json").unlink()
     for proof in (local / "step-1").glob(".proof-*"):  # without the node's proof the bytes are checked first
         proof.unlink()  # (whether a proof holds depends on the clock: tests/test_proofs.py)
-    assert load_recording_reads(local, durable, monkeypatch) == [("local", "__0_0.distcp")] * 2  # checked, read
+    reads = load_recording_reads(local, durable, monkeypatch)
+    assert shards(reads) == [("local", "__0_0.distcp")] * 2  # checked, read
+    assert {tier for tier, _ in reads} == {"local"}, "the small files too: of the durable tier only its manifest"
     shard = local / "step-1" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert load_recording_reads(local, durable, monkeypatch) == [("local", "__0_0.distcp"), ("durable", "__0_0.distcp")]
+    reads = load_recording_reads(local, durable, monkeypatch)
+    assert shards(reads) == [("local", "__0_0.distcp"), ("durable", "__0_0.distcp")]
 
 
 def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
@@ -103,8 +114,9 @@ def test_auto_verify_checks_durable_shards_by_size_and_full_downloads_them(
     every shard twice. A fresh node (empty local disk) reads the durable shard once, or twice with "full"."""
     local, durable = saved_in_both_tiers(tmp_path)
     shutil.rmtree(local)
-    assert load_recording_reads(local, durable, monkeypatch) == [("durable", "__0_0.distcp")]
-    assert load_recording_reads(local, durable, monkeypatch, verify="full") == [("durable", "__0_0.distcp")] * 2
+    assert shards(load_recording_reads(local, durable, monkeypatch)) == [("durable", "__0_0.distcp")]
+    full = load_recording_reads(local, durable, monkeypatch, verify="full")
+    assert shards(full) == [("durable", "__0_0.distcp")] * 2
 
 
 # ---- two-node jobs -----------------------------------------------------------------------------------------
@@ -305,12 +317,35 @@ def test_a_failed_upload_on_one_node_commits_nothing_durably_and_raises_on_both(
     assert manifest_at(durable_root / f"step-{STEP}").is_global
 
 
-def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_the_durable_tier(tmp_path: Path) -> None:
-    """2 nodes x 1 rank. Node b (its agent and workers) is killed while the job trains on after a durable
-    commit; a replacement with an empty local root joins, torchrun restarts node a's workers (a whole-job
-    restart; node a keeps its disk), and every rank resumes bit-exact (checked in the worker): the new node
-    from the durable tier, node a reading its own files from its disk and only the others from the durable
-    tier. Both nodes then save the next step. Each node's root holds its own leader's owner record only."""
+def peer_server(root: Path) -> tuple[tuple[str, int], int]:
+    """The address and pid of the peer-copy server of the node whose local root is ``root``."""
+    where = json.loads((root / ".peer" / "server.json").read_text())
+    return (where["host"], where["port"]), where["pid"]
+
+
+def wait_for_peer_copy(root: Path, run_id: str, rank: int, step: int) -> None:
+    """Until the server of the node with ``root`` holds ``rank``'s files of ``step`` in memory."""
+    address, _ = peer_server(root)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(c["rank"] == rank and c["step"] == step for c in held(address, run_id)):
+        assert time.monotonic() < deadline, held(address, run_id)
+        time.sleep(0.1)
+    assert held(address, "another-run") == [], "a server tells only a reader that names the run"
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while process_start_ticks(pid) is not None:
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.1)
+
+
+def lose_node_b(tmp_path: Path, *, peer_copy_lost: bool) -> tuple[dict[str, Any], dict[str, Any], Path]:
+    """2 nodes x 1 rank save step 5 and train on; once node a's server holds node b's files, node b is lost
+    whole (its agent, worker and peer-copy server killed, its disk emptied), with ``peer_copy_lost`` node a's
+    server too; a replacement node with an empty root joins, torchrun restarts node a's worker, and both
+    resume (bit-exact, checked in the worker) and save step 6. The new node's and node a's resumed reports, and
+    node a's root."""
     root_a, root_b, root_new = tmp_path / "node-a", tmp_path / "node-b", tmp_path / "node-new"
     with job(tmp_path, 1, {"TEST_STEPS": str(STEP), "TEST_PARK": "1"}) as running:
         agent_a = running.start(root_a, 0)
@@ -318,23 +353,59 @@ def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_the_durable_tier(t
         for report in running.wait_for_reports(2):
             assert len(report["owners"]) == 1, report
             assert report["owners"][0].startswith(f"{socket.gethostname()}.{report['pid']}."), report
-        kill_job(agent_b)  # the node is lost: its agent and its workers
+        [rank_b] = [r["rank"] for r in running.read_reports() if r["root"] == str(root_b)]
+        run_id = manifest_at(root_a / f"step-{STEP}").run_id
+        assert run_id is not None
+        wait_for_peer_copy(root_a, run_id, rank_b, STEP)
+        servers = {root: peer_server(root)[1] for root in (root_a, root_b)}
+        kill_job(agent_b)  # the node is lost: its agent, its workers, its peer-copy server
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(servers[root_b], signal.SIGKILL)
+        shutil.rmtree(root_b)
+        if peer_copy_lost:
+            os.kill(servers[root_a], signal.SIGKILL)
         assert agent_a.poll() is None, "node a's agent survives the loss of node b"
         running.wait([agent_a, running.start(root_new, 1)])
         resumed = [r for r in running.read_reports() if r["restored"] is not None]
+    for root in (root_a, root_new):  # a node's server ends with the launcher it watches
+        wait_gone(peer_server(root)[1])
     assert len(resumed) == 2 and all(r["restored"] == STEP and not r["errors"] for r in resumed), resumed
     nodes = by_root(resumed)
     assert sorted(nodes) == sorted(map(str, (root_a, root_new)))
-    [new] = nodes[str(root_new)]
-    [kept] = nodes[str(root_a)]
-    assert new["reads"] and {tier for tier, _ in new["reads"]} == {"durable"}, new["reads"]
-    assert_read_own_files_locally(kept, manifest_at(root_a / f"step-{STEP}"))
+    [new], [kept] = nodes[str(root_new)], nodes[str(root_a)]
     # the killed leader's record on node a was cleared as dead; only the running leader's was left
     assert len(kept["owners"]) == 1 and kept["owners"][0].startswith(f"{socket.gethostname()}.{kept['pid']}.")
     assert manifest_at(running.durable / f"step-{STEP + 1}").is_global
     for root, steps in ((root_a, [STEP, STEP + 1]), (root_new, [STEP + 1])):
         assert sorted(int(p.parent.name[5:]) for p in root.glob("step-*/manifest.json")) == steps
         assert not manifest_at(root / f"step-{STEP + 1}").is_global
+    return new, kept, root_a
+
+
+def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_its_peers_without_the_durable_tier(
+    tmp_path: Path,
+) -> None:
+    """Node b is lost whole after a durable commit (see :func:`lose_node_b`). The replacement reads every file of
+    the step from its peers: node b's from node a's memory, node a's from node a's disk through its server;
+    node a reads its own files from its disk and node b's from its server's memory. Neither reads any file of
+    the step from the durable tier (only its listing and manifest)."""
+    new, kept, root_a = lose_node_b(tmp_path, peer_copy_lost=False)
+    assert new["reads"] and {tier for tier, _ in new["reads"]} == {"peer"}, new["reads"]
+    assert {tier for tier, _ in kept["reads"]} == {"local", "peer"}, kept["reads"]
+    own = {f.path for f in manifest_at(root_a / f"step-{STEP}").files}
+    assert {name for tier, name in kept["reads"] if tier == "local"} <= own
+    assert {name for tier, name in kept["reads"] if tier == "peer"}.isdisjoint(own)
+
+
+def test_a_lost_node_whose_peer_copy_is_lost_too_resumes_from_the_durable_tier(tmp_path: Path) -> None:
+    """As above, but node a's server dies with node b: node b's files are then nowhere but in the durable tier,
+    and the replacement reads them there, and node a's files from node a's new server (its disk)."""
+    new, kept, root_a = lose_node_b(tmp_path, peer_copy_lost=True)
+    own = {f.path for f in manifest_at(root_a / f"step-{STEP}").files}
+    durable = {name for tier, name in new["reads"] if tier == "durable"}
+    peer = {name for tier, name in new["reads"] if tier == "peer"}
+    assert durable and durable.isdisjoint(own) and peer and peer <= own, new["reads"]
+    assert_read_own_files_locally(kept, manifest_at(root_a / f"step-{STEP}"))
 
 
 def test_the_node_with_rank_0_replaced_while_another_disk_is_ahead_of_the_durable_tier(

@@ -57,6 +57,20 @@ def test_table_and_png(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     assert width > 1000 and height > 400
 
 
+def test_a_restore_shows_where_its_bytes_were_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A node lost whole and restored from its peers' memory: the recovery table says so, largest place first."""
+    t = incarnation(tmp_path, 1_700_000_000.0, restore=None, steps=60, save_every=50, end=None)
+    read = {"from_peers_bytes": 3 * 2**30, "from_disk_bytes": 2**20, "from_durable_bytes": 0.0}
+    incarnation(tmp_path, t + 30, restore=50, steps=10, restore_parts={"read_s": 2.0, **read})
+    assert cli(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.endswith("READ FROM"))
+    assert lines[header + 1].endswith("  peers 3.0 GiB, disk 1.0 MiB, durable 0 B"), lines[header : header + 2]
+    assert cli(["report", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["incarnations"]
+    assert [r["read_from"] for r in rows] == [{}, {"peers": 3 * 2**30, "disk": 2**20, "durable": 0.0}]
+
+
 def test_missing_matplotlib_names_the_extra(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

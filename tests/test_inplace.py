@@ -27,7 +27,7 @@ import torch
 
 from resilience.recovery.inplace import Target
 from resilience.recovery.launch_config import auto_preload
-from resilience.storage.owners import process_start_ticks
+from resilience.storage.processes import process_start_ticks
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 
 PROBE = WORKERS / "launch_probe.py"

@@ -31,11 +31,9 @@ from resilience.checkpoint.tree import TAG, flatten, tensor_keys, unflatten
 from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
 from resilience.persist.direct_io import Window
 from resilience.storage.catalog import Entry
-from resilience.storage.dcp_fs import LoadFileSystem, LocalCopy, ReadCounter
+from resilience.storage.dcp_fs import LoadFileSystem, ReadCounter
 from resilience.storage.layout import STATE_FILE, rank_state_file
 from resilience.storage.manifest import Manifest
-from resilience.storage.proofs import Proofs
-from resilience.storage.tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +67,12 @@ class _VerifiedReader(FileSystemReader):
         self,
         entry: Entry,
         metadata: Metadata,
-        local: LocalCopy | None,
         check_reads: bool,
         adoptable: dict[str, torch.Tensor] | None = None,
         read: ReadCounter | None = None,
     ):
         super().__init__(entry.path)
-        self.fs = LoadFileSystem(entry.tier, entry.path, local, entry if check_reads else None, read)  # type: ignore[assignment]
+        self.fs = LoadFileSystem(entry, check=check_reads, read=read)  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
         self.adoptable = adoptable or {}
@@ -210,30 +207,21 @@ def run_load(
     *,
     group: dist.ProcessGroup | None,
     allow_pickle: bool,
-    local: Tier | None = None,
     check_reads: bool = False,
-    trust_proofs: bool = False,
     read: ReadCounter | None = None,
 ) -> Restored:
     """Read the shards (collective when distributed) and rebuild the trees.
 
-    With ``local`` (the local tier) and a checkpoint from another tier, the shards the local tier holds unchanged
-    are read there (:class:`~resilience.storage.dcp_fs.LocalCopy`; with ``trust_proofs``, known unchanged by this
-    node's proofs when they hold). ``check_reads``: shards were not hashed before the load; each is checked as it
-    is read (:class:`~resilience.storage.dcp_fs.LoadFileSystem`). ``read`` counts the bytes read as they come.
+    Files held nearer than the entry's tier (``entry.near``: this node's disk, a peer's memory) are read there.
+    ``check_reads``: shards were not hashed before the load; each is checked as it is read
+    (:class:`~resilience.storage.dcp_fs.LoadFileSystem`). ``read`` counts the bytes read as they come.
     """
     assert entry.manifest is not None
-    copy = None
-    if local is not None and entry.tier is not local:
-        where = local.step_path(entry.step)
-        found = Proofs(where) if trust_proofs else None
-        copy = LocalCopy(local, where, {f.path: f for f in entry.manifest.files}, found)
     read_tensors(
         entry,
         plan.metadata,
         plan.tensors,
         group=group,
-        local=copy,
         check_reads=check_reads,
         adopt=plan.allocated,
         read=read,
@@ -243,9 +231,8 @@ def run_load(
         unpacked = packing.unpack(plan.layout, plan.packed, plan.tensors, plan.pack_targets)
         tensors = {key: t for key, t in plan.tensors.items() if key not in plan.layout.sizes} | unpacked
     where = entry.where()
-    if copy is not None and any(copy.checked.values()):
-        used = sorted(name for name, held in copy.checked.items() if held)
-        log.info("%s: read %d of %d shard file(s) from the local copy %s", where, len(used), len(copy.checked), used)
+    if entry.near is not None and (nearer := entry.near.describe()) is not None:
+        log.info("%s: %s", where, nearer)
     state = unflatten(plan.skeleton, tensors, allow_pickle=allow_pickle, where=where)
     rank_state = None
     if plan.rank_skeleton is not None:
@@ -259,14 +246,13 @@ def read_tensors(
     tensors: dict[str, torch.Tensor],
     *,
     group: dist.ProcessGroup | None = None,
-    local: LocalCopy | None = None,
     check_reads: bool = False,
     adopt: Collection[str] = (),
     read: ReadCounter | None = None,
 ) -> None:
-    """Fill ``tensors`` (DCP keys to targets) from the shards, those ``local`` holds from there; collective when
-    ``group`` is given. The targets of the keys in ``adopt`` may be replaced by the tensors read instead."""
-    reader = _VerifiedReader(entry, metadata, local, check_reads, {key: tensors[key] for key in adopt}, read)
+    """Fill ``tensors`` (DCP keys to targets) from the shards; collective when ``group`` is given. The targets of
+    the keys in ``adopt`` may be replaced by the tensors read instead."""
+    reader = _VerifiedReader(entry, metadata, check_reads, {key: tensors[key] for key in adopt}, read)
     try:
         dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
         tensors.update(reader.adopted)

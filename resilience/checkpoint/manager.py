@@ -43,6 +43,7 @@ from resilience.persist import PersistPipeline
 from resilience.persist.pipeline import WriteJob, remove_checkpoint
 from resilience.storage import catalog
 from resilience.storage.owners import Owner
+from resilience.storage.peer_copies import Address, link_nodes
 from resilience.storage.tiers import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ class CheckpointManager:
     Args:
         config: Where and how; see :class:`CheckpointConfig`.
         listeners: Called (from background threads) with a dict per event: ``local_commit``,
-            ``durable_commit``, ``failed``, ``skipped``, ``upload_retry``, ``upload_skipped``, ``deleted``;
+            ``durable_commit``, ``failed``, ``skipped``, ``upload_retry``, ``upload_skipped``, ``deleted``,
+            ``peer_copy``, ``peer_copy_failed``;
             more can be added at any time with :meth:`add_listener`.
         protected_steps: Called (from background threads) before retention deletes anything; steps it returns
             are kept beyond ``keep_last`` (e.g. the best-k checkpoints a framework still refers to).
@@ -103,6 +105,11 @@ class CheckpointManager:
         self._restorer = Restorer(
             config, self.local, self.durable, self.groups.control, self._roots, self.rank, self.world_size
         )
+        self._peer: Address | None = None  # where this rank's files of each durable step are copied
+        if config.peer_copies and not self.local_shared and self.durable is not None:
+            self._peer, self._restorer.peer_servers = link_nodes(
+                self.local.root, self.topology.nodes, self.rank, self.is_local_leader, self.groups.control.all_gather
+            )
         self._handles: dict[int, SaveHandle] = {}
         self._restored: Restored | None = None
         self._staging_area = StagingArea(config)
@@ -308,6 +315,7 @@ class CheckpointManager:
                 run_id=self.run_id,
                 writer=self.owner.to_json() if self.owner is not None else None,
                 pieces={k: _create_write_items(k, t) for k, t in share.tensors.items() if isinstance(t, DTensor)},
+                peer=self._peer,
             )
         )
 

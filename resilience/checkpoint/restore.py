@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Collection
+from dataclasses import replace
 from typing import Any
 
 from resilience.checkpoint.claim import RootClaim
@@ -29,7 +30,9 @@ from resilience.errors import (
 from resilience.goodput.ledger import LOAD_PARTS
 from resilience.progress import still_going
 from resilience.storage import catalog
+from resilience.storage.dcp_fs import LocalCopy, NearCopies
 from resilience.storage.layout import CORRUPT_MANIFEST, MANIFEST, QUARANTINE_DIR, aside_name
+from resilience.storage.peer_copies import Address, PeerCopies
 from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import DurableTier, LocalTier, Tier
 
@@ -56,6 +59,7 @@ class Restorer:
         self.roots = roots  # a copy set aside as corrupt is no longer a step that exists
         self.rank = rank
         self.world_size = world_size
+        self.peer_servers: list[Address] = []  # the nodes' peer-copy servers (set by the manager)
 
     def latest(self) -> catalog.Entry | None:
         """The newest committed checkpoint that verifies, agreed by all ranks."""
@@ -95,7 +99,9 @@ class Restorer:
                 continue
             finally:
                 timings["read_s"] += time.monotonic() - began
-            restored.timings = timings
+            # where this rank's bytes came from, for the goodput ledger (a recovery from peers shows as such)
+            read = entry.near.read if isinstance(entry.near, NearCopies) else {}
+            restored.timings = timings | {f"from_{place}_bytes": float(size) for place, size in read.items()}
             return restored
 
     def load_entry(
@@ -115,9 +121,7 @@ class Restorer:
                 box["plan"],
                 group=self.control.group,
                 allow_pickle=allow_pickle,
-                local=self.local,
                 check_reads=not self._hashes_before_load(entry),
-                trust_proofs=self.config.verify == "auto",
                 read=counter,
             )
 
@@ -133,6 +137,19 @@ class Restorer:
             self.control.agree(read)
         restored: Restored = box["restored"]
         return restored
+
+    def _nearer(self, entry: catalog.Entry) -> catalog.Entry:
+        """A durable entry with the copies of its files held nearer: those this node's disk holds unchanged (with
+        ``verify="auto"``, known so by this node's proofs where they hold), then those in peers' memory."""
+        if entry.tier is self.local or entry.manifest is None:
+            return entry
+        where = self.local.step_path(entry.step)
+        proofs = Proofs(where) if self.config.verify == "auto" else None
+        files = {f.path: f for f in entry.manifest.files}
+        peers = PeerCopies(list(self.peer_servers), entry.manifest, entry.step) if self.peer_servers else None
+        return replace(
+            entry, near=NearCopies(files, entry.tier.name, LocalCopy(self.local, where, files, proofs), peers)
+        )
 
     def _choose(
         self, step: int | None, rejected: set[tuple[int, str]] | None = None, timings: dict[str, float] | None = None
@@ -152,7 +169,7 @@ class Restorer:
         tiers: dict[str, Tier | None] = {"local": self.local, "durable": self.durable}
         began = time.monotonic()
         entries = [
-            catalog.Entry(s, tier, path, manifest, problem)
+            self._nearer(catalog.Entry(s, tier, path, manifest, problem))
             for name, s, path, manifest, problem in self.control.decide(listed)
             if (tier := tiers[name]) is not None
         ]

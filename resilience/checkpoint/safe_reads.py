@@ -28,7 +28,12 @@ def read_verified(entry: Entry, name: str) -> bytes:
     item = entry.manifest.file(name)
     if item is None:
         raise CorruptCheckpointError(f"{entry.where()}: the manifest does not list {name}", step=entry.step)
-    data = entry.tier.read_bytes(f"{entry.path}/{name}")
+    nearer = entry.near.open(name) if entry.near is not None else None
+    if nearer is None:
+        data = entry.tier.read_bytes(f"{entry.path}/{name}")
+    else:
+        with nearer:
+            data = nearer.read()
     if len(data) != item.size or hash_bytes(data) != item.xxh3_64:
         raise CorruptCheckpointError(
             f"{entry.where()}: {name} does not match its size/checksum in the manifest",

@@ -7,6 +7,7 @@ import sys
 import time
 
 from resilience.goodput.summary import LABELS, RECOVERY_PARTS, GoodputSummary, Incarnation, summarize
+from resilience.progress import size_text
 
 RECOVERY_HEADS = ("START-UP", "LIST", "VERIFY", "READ", "INTO MODEL", "FIRST STEP")  # RECOVERY_PARTS'
 
@@ -72,19 +73,20 @@ def render_table(summary: GoodputSummary) -> str:
     if restarts:
         lines += ["", "Recovery per restart, from the previous incarnation's last record to the first step done:"]
         heads = "  ".join(f"{h:>10}" for h in RECOVERY_HEADS)
-        lines.append(f"{'#':>3}  {'HOW':<8}  {'DOWN':>8}  {heads}  {'TOTAL':>8}")
+        lines.append(f"{'#':>3}  {'HOW':<8}  {'DOWN':>8}  {heads}  {'TOTAL':>8}  READ FROM")
         for inc in restarts:
             parts = "  ".join(f"{duration(inc.recovery.get(part, 0.0)):>10}" for part in RECOVERY_PARTS)
             lines.append(
                 f"{inc.index:>3}  {inc.restart or '':<8}  {duration(inc.downtime_before_s):>8}  {parts}  "
-                f"{duration(inc.recovery_s):>8}"
+                f"{duration(inc.recovery_s):>8}  {_read_from(inc.read_from)}"
             )
         lines.append(
             "HOW: in place (the same processes ran their script again, resilience launch), replaced (a new process "
             "of resilience launch), relaunch; DOWN: from the previous incarnation's last record to this one's start; "
             "START-UP: interpreter (if new), imports, model, process group; LIST, VERIFY, READ: finding the "
             "checkpoint, its checksums, reading it; INTO MODEL: the state put into the model; FIRST STEP: the first "
-            "training step after it."
+            "training step after it; READ FROM: where the main process's restore read its bytes (disk: this node's "
+            "copy of a durable checkpoint; peers: other nodes' memory and disks)."
         )
     lines += _stragglers(summary)
     if summary.skipped_lines:
@@ -92,6 +94,11 @@ def render_table(summary: GoodputSummary) -> str:
             f"{summary.skipped_lines} unreadable ledger line(s) skipped (a kill mid-write tears the last one)."
         )
     return "\n".join(lines)
+
+
+def _read_from(places: dict[str, float]) -> str:
+    """``peers 1.2 GiB, durable 0 B``: the bytes a restore read in each place, largest first."""
+    return ", ".join(f"{place} {size_text(n)}" for place, n in sorted(places.items(), key=lambda pair: -pair[1])) or "-"
 
 
 def _stragglers(summary: GoodputSummary) -> list[str]:

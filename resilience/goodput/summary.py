@@ -92,6 +92,7 @@ class Incarnation:
     events: list[dict[str, Any]] = field(default_factory=list, repr=False)
     recovery: dict[str, float] = field(default_factory=dict)  # RECOVERY_PARTS: how it got back to training
     restart: str | None = None  # how it began after the previous one (RESTART_KINDS), None for the first
+    read_from: dict[str, float] = field(default_factory=dict)  # its restore's bytes by place: disk, peers, a tier
 
     @property
     def uptime_s(self) -> float:
@@ -265,6 +266,7 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         spans=spans,
         events=[r for r in records if r["e"] not in ("start", "span")],
         recovery=recovery,
+        read_from={k[5:-6]: float(v) for k, v in restore.items() if k.startswith("from_") and k.endswith("_bytes")},
     )
 
 

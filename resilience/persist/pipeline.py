@@ -44,6 +44,7 @@ from resilience.storage.layout import (
     step_dirname,
 )
 from resilience.storage.manifest import FileEntry, Manifest
+from resilience.storage.peer_copies import send_copy
 from resilience.storage.retention import steps_to_delete
 from resilience.storage.tiers import DurableTier, LocalTier, Tier, fsync_dir
 
@@ -64,6 +65,7 @@ class WriteSpec:
     run_id: str | None = None
     writer: dict[str, Any] | None = None
     pieces: dict[str, list[Any]] = field(default_factory=dict)  # DCP write items of DTensor shards (helper)
+    peer: tuple[str, int] | None = None  # the partner node's peer-copy server, for this rank's durable files
 
 
 @dataclass(kw_only=True)
@@ -94,6 +96,7 @@ class UploadJob:
     step: int
     manifest: Manifest
     handle: SaveHandle
+    peer: tuple[str, int] | None = None
 
 
 class Pipeline(PersistPipeline):
@@ -215,7 +218,7 @@ class Pipeline(PersistPipeline):
         else:
             with self._uploads.cond:
                 self._uploading.add(step)
-            self._uploads.put(UploadJob(step, manifest, handle))
+            self._uploads.put(UploadJob(step, manifest, handle, job.peer))
         if self.is_local_leader:
             self._apply_retention(self.local, protect={step} | self._pending_uploads())
 
@@ -368,6 +371,22 @@ class Pipeline(PersistPipeline):
         self.events.emit("durable_commit", step, bytes=manifest.total_bytes, upload_s=upload_s)
         if self.rank == 0:
             self._apply_retention(durable, protect={step})
+        if job.peer is not None and manifest.run_id is not None:
+            self._send_peer_copy(job.peer, step, mine, manifest.run_id)
+
+    def _send_peer_copy(self, peer: tuple[str, int], step: int, mine: list[FileEntry], run_id: str) -> None:
+        """This rank's files of a durably committed step, to the partner node's memory (peer copies). A failure
+        costs only speed: a lost node's files are then read from the durable tier."""
+        t0 = time.monotonic()
+        try:
+            sent = send_copy(
+                peer, rank=self.rank, run_id=run_id, step=step, directory=self.local.step_path(step), files=mine
+            )
+        except OSError as exc:
+            log.warning("step %d: the peer copy to %s:%s failed (%s); the durable tier keeps it", step, *peer, exc)
+            self.events.emit("peer_copy_failed", step, error=describe(exc))
+            return
+        self.events.emit("peer_copy", step, bytes=sent, seconds=time.monotonic() - t0)
 
     def _guarded(self, step: int, what: str, then: Callable[[DurableGuard, dict[str, Any]], None]) -> None:
         """Rank 0, before it changes the durable tier: this job must still hold the durable URL; then ``then``

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from resilience.checkpoint.tree import flatten, unflatten
-from resilience.storage.owners import process_start_ticks
+from resilience.storage.processes import process_start_ticks
 from resilience.storage.tiers import write_local_exclusive
 
 log = logging.getLogger(__name__)

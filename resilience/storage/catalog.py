@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from resilience.errors import CorruptCheckpointError, NoCheckpointError
 from resilience.storage.layout import MANIFEST, parse_step_dirname
@@ -25,15 +25,30 @@ Progress = Callable[[int, int], None]
 NOT_COMMITTED = "not committed (no manifest)"
 
 
+class NearerCopies(Protocol):
+    """Where a load finds a checkpoint's files nearer than its tier (:class:`~resilience.storage.dcp_fs.NearCopies`)."""
+
+    def holds(self, name: str) -> bool:
+        """Whether the file is held nearer (its bytes are checked again when :meth:`open` reads them)."""
+
+    def open(self, name: str) -> IO[bytes] | None:
+        """The file, unchanged from what the manifest lists, or None if it is not held nearer."""
+
+    def describe(self) -> str | None:
+        """What was read nearer, for the load's log line (None if nothing was)."""
+
+
 @dataclass
 class Entry:
-    """One ``step-<N>`` directory in one tier; ``manifest`` is None when it is not (validly) committed."""
+    """One ``step-<N>`` directory in one tier; ``manifest`` is None when it is not (validly) committed.
+    ``near``: for a load, copies of its files held nearer than its tier (this node's disk, a peer's memory)."""
 
     step: int
     tier: Tier
     path: str
     manifest: Manifest | None
     problem: str | None = None
+    near: NearerCopies | None = None
 
     @property
     def committed(self) -> bool:
@@ -137,7 +152,8 @@ def verify(
 
     Sizes are always checked; checksums of the small pickled/JSON files always, those of shards when
     ``full``. ``share=(i, n)`` checksums only every n-th file starting at i, so ranks can split the work.
-    A shard that ``proven`` holds (this node hashed it at commit and nothing has touched it since) is not hashed.
+    A shard that ``proven`` holds (this node hashed it at commit and nothing has touched it since) is not hashed,
+    nor a file held nearer (``entry.near``), whose bytes a load reads there and checks as it reads them.
     """
     if entry.manifest is None:
         raise CorruptCheckpointError(f"{entry.where()} is {entry.problem}", step=entry.step, tier=entry.tier.name)
@@ -151,7 +167,9 @@ def verify(
     mine = to_hash[share[0] :: share[1]]
     done = 0
     for item in mine:
-        if not (proven is not None and item.kind == "shard" and proven.holds(item)):
+        if entry.near is not None and entry.near.holds(item.path):
+            pass
+        elif not (proven is not None and item.kind == "shard" and proven.holds(item)):
             check_file(entry, item)
         done += item.size
         if progress is not None:

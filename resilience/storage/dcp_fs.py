@@ -3,9 +3,10 @@ through the same tier objects the engine lists, checks, uploads and retires them
 
 :class:`TierFileSystem` is each of DCP's file operations as the tier's; the two kinds DCP is given add one thing
 each: :class:`HashedFileSystem` (a save's writer) makes new files the local tier's hashed streams, and
-:class:`LoadFileSystem` (a load's reader) picks where each file is read from. It lives apart from
-:mod:`resilience.storage.tiers` because importing ``torch.distributed.checkpoint`` takes seconds: ``resilience
-ls`` and ``verify`` read checkpoints through tiers and need none of DCP.
+:class:`LoadFileSystem` (a load's reader) reads each file from the nearest place that holds it
+(:class:`NearCopies`). It lives apart from :mod:`resilience.storage.tiers` because importing
+``torch.distributed.checkpoint`` takes seconds: ``resilience ls`` and ``verify`` read checkpoints through tiers
+and need none of DCP.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from resilience.persist import direct_io
 from resilience.persist.direct_io import Written
 from resilience.storage.catalog import Entry, check_file
 from resilience.storage.manifest import FileEntry, hash_stream
+from resilience.storage.peer_copies import PeerCopies
 from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import LocalTier, Tier
 
@@ -198,17 +200,51 @@ class _Counted(io.RawIOBase):
         return count
 
 
-class LoadFileSystem(TierFileSystem):
-    """A load's files, read-only: those ``local`` holds unchanged from there, else with ``check`` (the entry
-    being loaded) each checked whole before DCP parses it (:func:`_checked_copy`), else straight from the tier;
-    ``read`` counts the bytes as they come."""
+@dataclass
+class NearCopies:
+    """Where a load reads a durable checkpoint's files before the durable tier: this node's disk (``local``), then
+    a peer node's memory (``peers``, :mod:`resilience.storage.peer_copies`); each only where it holds the file
+    unchanged from the manifest (``files``). :attr:`read` adds up the bytes opened in each place (``"disk"``,
+    ``"peers"``, the tier's name), for the log and the goodput ledger."""
 
-    def __init__(
-        self, tier: Tier, root: str, local: LocalCopy | None, check: Entry | None, read: ReadCounter | None = None
-    ):
-        super().__init__(tier)
-        self.root = root
-        self.local = local
+    files: dict[str, FileEntry]
+    tier: str
+    local: LocalCopy | None = None
+    peers: PeerCopies | None = None
+    read: dict[str, int] = field(default_factory=dict)
+
+    def holds(self, name: str) -> bool:
+        return (self.local is not None and self.local.holds(name)) or (
+            self.peers is not None and self.peers.holds(name)
+        )
+
+    def open(self, name: str) -> IO[bytes] | None:
+        stream: IO[bytes] | None = None
+        place = self.tier
+        if self.local is not None and self.local.holds(name):
+            stream, place = self.local.tier.open(f"{self.local.path}/{name}"), "disk"
+        elif self.peers is not None and (stream := self.peers.fetch(name)) is not None:
+            place = "peers"
+        item = self.files.get(name)
+        self.read[place] = self.read.get(place, 0) + (item.size if item is not None else 0)
+        return stream
+
+    def describe(self) -> str | None:
+        """Where the files came from, for the load's log line (None if all from the tier)."""
+        if set(self.read) <= {self.tier}:
+            return None
+        where = {"disk": "this node's disk", "peers": "peers' memory", self.tier: f"the {self.tier} tier"}
+        return "read " + ", ".join(f"{size / 2**20:.1f} MiB from {where[p]}" for p, size in self.read.items())
+
+
+class LoadFileSystem(TierFileSystem):
+    """A load's files, read-only: those held nearer (``entry.near``) from there; else with ``check`` each checked
+    whole before DCP parses it (:func:`_checked_copy`), else straight from the tier; ``read`` counts the bytes as
+    they come."""
+
+    def __init__(self, entry: Entry, *, check: bool, read: ReadCounter | None = None):
+        super().__init__(entry.tier)
+        self.entry = entry
         self.check = check
         self.read = read
 
@@ -216,12 +252,12 @@ class LoadFileSystem(TierFileSystem):
     def create_stream(self, path: PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         if mode != "rb":
             raise ValueError("checkpoint tiers are opened read-only while loading")
-        name = os.fspath(path).removeprefix(f"{self.root}/")
-        if self.local is not None and self.local.holds(name):
-            opened: Any = self.local.tier.open(f"{self.local.path}/{name}")
-        elif self.check is not None and (item := self.check.manifest.file(name)) is not None:  # type: ignore[union-attr]
-            opened = _checked_copy(self.check, item)
-        else:
+        entry = self.entry
+        name = os.fspath(path).removeprefix(f"{entry.path}/")
+        opened: Any = entry.near.open(name) if entry.near is not None else None
+        if opened is None and self.check and (item := entry.manifest.file(name)) is not None:  # type: ignore[union-attr]
+            opened = _checked_copy(entry, item)
+        elif opened is None:
             opened = self.tier.open(os.fspath(path))
         with opened as stream:
             yield stream if self.read is None else _Counted(stream, self.read)

@@ -28,24 +28,11 @@ from dataclasses import asdict, dataclass, field
 from resilience.errors import ConfigError
 from resilience.recovery import beats
 from resilience.storage.layout import OWNERS_DIR
+from resilience.storage.processes import process_start_ticks
 from resilience.storage.tiers import replace_local
 
 log = logging.getLogger(__name__)
 _OPEN_TOKENS: set[str] = set()  # owners of this process whose manager is still open
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None if there is no such live process
-    (a zombie, killed but not yet reaped by its parent, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    try:
-        return None if fields[0] in ("Z", "X") else int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 @functools.cache

@@ -38,8 +38,10 @@ def incarnation(
     stall_s: float = 2.0,
     end: str | None = "completed",
     span_s: float = 10.0,
+    restore_parts: dict[str, float] | None = None,
 ) -> float:
-    """One process lifetime: startup, optional restore, ``steps`` steps, then ``end`` (None: killed).
+    """One process lifetime: startup, optional restore (``restore_parts`` its record's parts), ``steps`` steps,
+    then ``end`` (None: killed).
 
     Returns the Unix time it stopped.
     """
@@ -49,7 +51,7 @@ def incarnation(
     step = 0
     if restore is not None:
         clock.now += restore_s
-        ledger.restored(restore if restore > 0 else None, restore_s)
+        ledger.restored(restore if restore > 0 else None, restore_s, restore_parts)
         step = restore
     ledger.startup_done()
     for _ in range(steps):
