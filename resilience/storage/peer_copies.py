@@ -50,6 +50,8 @@ def ensure_server(local_root: str) -> Address | None:
     folder = os.path.join(local_root, PEER_DIR)
     os.makedirs(folder, exist_ok=True)
     parent = os.getppid()
+    if parent <= 1:  # no launcher (the container's first process, or orphaned): the server ends with this process
+        parent = os.getpid()
     ticks = process_start_ticks(parent)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peer_server.py")
     with open(os.path.join(folder, "server.log"), "ab") as out:
