@@ -87,11 +87,9 @@ def load_through(local: Path, durable: str, server: Address, monkeypatch: pytest
     return reads
 
 
-def test_a_load_reads_a_peers_copy_and_passes_over_one_whose_bytes_are_not_the_manifests(
-    tmp_path: Path, server: Address, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A node with an empty disk reads the whole step from a peer's memory; when the peer holds a shard whose
-    bytes differ from what it claims (the manifest's checksum), that shard is read from the durable tier."""
+def saved_and_copied(tmp_path: Path, server: Address) -> tuple[Path, str, Manifest, Path]:
+    """Step 1 committed locally and durably, its files sent to ``server``, and a copy of them to damage; the local
+    root is then emptied, as on a replacement node."""
     local, durable = tmp_path / "node-a", f"file://{tmp_path / 'durable'}"
     with CheckpointManager(CheckpointConfig(local, durable_url=durable)) as saver:
         saver.save(1, state_for(1, None), {"rank": torch.tensor([1])})
@@ -102,14 +100,44 @@ def test_a_load_reads_a_peers_copy_and_passes_over_one_whose_bytes_are_not_the_m
     damaged = tmp_path / "damaged"
     shutil.copytree(local / "step-1", damaged)
     shutil.rmtree(local)
+    return local, durable, manifest, damaged
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_load_reads_a_peers_copy_and_passes_over_one_whose_bytes_are_not_the_manifests(
+    tmp_path: Path, server: Address, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node with an empty disk reads the whole step from a peer's memory; when the peer holds a shard whose
+    bytes differ from what it claims (the manifest's checksum), that shard is read from the durable tier."""
+    local, durable, manifest, damaged = saved_and_copied(tmp_path, server)
     reads = load_through(local, durable, server, monkeypatch)
     assert reads and {tier for tier, _ in reads} == {"peer"}, reads
 
-    shard = damaged / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_a_byte(damaged / "__0_0.distcp")
+    assert manifest.run_id is not None
     send_copy(server, rank=0, run_id=manifest.run_id, step=1, directory=str(damaged), files=manifest.files)
     reads = load_through(local, durable, server, monkeypatch)
     assert [tier for tier, name in reads if name == "__0_0.distcp"] == ["durable"], reads
     assert {tier for tier, name in reads if name != "__0_0.distcp"} == {"peer"}, reads
+
+
+def test_a_durable_shard_passed_over_for_a_peers_copy_is_checked_when_the_copy_fails(
+    tmp_path: Path, server: Address
+) -> None:
+    """verify="full" hashes every durable shard before the load, except those a peer holds (read there, checked
+    as they arrive). When the peer's bytes then fail their check, the durable shard read instead must be checked
+    too: here it is damaged as well, so the step is skipped, never loaded with wrong values."""
+    local, durable, manifest, damaged = saved_and_copied(tmp_path, server)
+    flip_a_byte(damaged / "__0_0.distcp")
+    assert manifest.run_id is not None
+    send_copy(server, rank=0, run_id=manifest.run_id, step=1, directory=str(damaged), files=manifest.files)
+    flip_a_byte(tmp_path / "durable" / "step-1" / "__0_0.distcp")
+    with CheckpointManager(CheckpointConfig(local, durable_url=durable, verify="full")) as loader:
+        loader._restorer.peer_servers = [server]
+        with pytest.warns(UserWarning, match="__0_0.distcp has checksum"):
+            assert loader.load(state_for(0, None)) is None

@@ -31,6 +31,10 @@ class NearerCopies(Protocol):
     def holds(self, name: str) -> bool:
         """Whether the file is held nearer (its bytes are checked again when :meth:`open` reads them)."""
 
+    def vouched_for(self, name: str) -> bool:
+        """Whether :meth:`holds` said yes for the file: discovery then did not check the tier's copy, so if
+        :meth:`open` cannot deliver it after all, the tier's bytes must be checked as they are read."""
+
     def open(self, name: str) -> IO[bytes] | None:
         """The file, unchanged from what the manifest lists, or None if it is not held nearer."""
 

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from resilience.persist import direct_io
 from resilience.persist.direct_io import Written
+from resilience.progress import size_text
 from resilience.storage.catalog import Entry, check_file
 from resilience.storage.manifest import FileEntry, hash_stream
 from resilience.storage.peer_copies import PeerCopies
@@ -212,11 +213,18 @@ class NearCopies:
     local: LocalCopy | None = None
     peers: PeerCopies | None = None
     read: dict[str, int] = field(default_factory=dict)
+    vouched: set[str] = field(default_factory=set)
 
     def holds(self, name: str) -> bool:
-        return (self.local is not None and self.local.holds(name)) or (
+        held = (self.local is not None and self.local.holds(name)) or (
             self.peers is not None and self.peers.holds(name)
         )
+        if held:
+            self.vouched.add(name)
+        return held
+
+    def vouched_for(self, name: str) -> bool:
+        return name in self.vouched
 
     def open(self, name: str) -> IO[bytes] | None:
         stream: IO[bytes] | None = None
@@ -234,13 +242,13 @@ class NearCopies:
         if set(self.read) <= {self.tier}:
             return None
         where = {"disk": "this node's disk", "peers": "peers' memory", self.tier: f"the {self.tier} tier"}
-        return "read " + ", ".join(f"{size / 2**20:.1f} MiB from {where[p]}" for p, size in self.read.items())
+        return "read " + ", ".join(f"{size_text(size)} from {where[p]}" for p, size in self.read.items())
 
 
 class LoadFileSystem(TierFileSystem):
-    """A load's files, read-only: those held nearer (``entry.near``) from there; else with ``check`` each checked
-    whole before DCP parses it (:func:`_checked_copy`), else straight from the tier; ``read`` counts the bytes as
-    they come."""
+    """A load's files, read-only: those held nearer (``entry.near``) from there; else with ``check``, or where
+    discovery passed the tier's copy over for a nearer one that then failed, each checked whole before DCP parses
+    it (:func:`_checked_copy`), else straight from the tier; ``read`` counts the bytes as they come."""
 
     def __init__(self, entry: Entry, *, check: bool, read: ReadCounter | None = None):
         super().__init__(entry.tier)
@@ -255,7 +263,8 @@ class LoadFileSystem(TierFileSystem):
         entry = self.entry
         name = os.fspath(path).removeprefix(f"{entry.path}/")
         opened: Any = entry.near.open(name) if entry.near is not None else None
-        if opened is None and self.check and (item := entry.manifest.file(name)) is not None:  # type: ignore[union-attr]
+        check = self.check or (entry.near is not None and entry.near.vouched_for(name))
+        if opened is None and check and (item := entry.manifest.file(name)) is not None:  # type: ignore[union-attr]
             opened = _checked_copy(entry, item)
         elif opened is None:
             opened = self.tier.open(os.fspath(path))
