@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from benchmarks.common import (
     scratch,
     worker_env,
 )
-from tests.helpers import S3_ENV, MotoServer, free_port, kill_job
+from tests.helpers import S3_ENV, MotoServer, elastic_node, free_port, kill_job
 
 WORKER = Path(__file__).with_name("node_loss_worker.py")
 BUCKET = "bench-node-loss"
@@ -50,33 +49,10 @@ VARIANTS = ("peers", "durable")
 
 
 def agent(
-    tmp: Path, root: Path, env: dict[str, str], port: int, host: bool, size: int, url: str
+    tmp: Path, root: Path, env: dict[str, str], port: int, node: int, size: int, url: str
 ) -> subprocess.Popen[str]:
-    """One node's torchrun agent (c10d rendezvous; node a's hosts it), its rank running the worker."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc_per_node",
-        "1",
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        f"127.0.0.1:{port}",
-        "--rdzv_id",
-        "bench-node-loss",
-        "--rdzv_conf",
-        f"is_host={int(host)},keep_alive_interval=1,keep_alive_max_attempt=8",
-        "--max_restarts",
-        "1",
-        str(WORKER),
-        str(root),
-        url,
-        str(tmp / "out"),
-        str(size),
-    ]
+    """One node's torchrun agent (node 0's hosts the rendezvous), its rank running the worker."""
+    command = elastic_node(port, node, "bench-node-loss", 1, WORKER, str(root), url, str(tmp / "out"), str(size))
     with (tmp / f"agent-{root.name}.log").open("a") as log:
         return subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -110,7 +86,7 @@ def one_loss(tmp: Path, variant: str, size: int, moto: MotoServer) -> dict[str, 
     )
     url = f"s3://{BUCKET}/{tmp.name}"
     port, roots = free_port(), [tmp / "node-a", tmp / "node-b", tmp / "node-new"]
-    agents = [agent(tmp, roots[0], env, port, True, size, url), agent(tmp, roots[1], env, port, False, size, url)]
+    agents = [agent(tmp, roots[0], env, port, 0, size, url), agent(tmp, roots[1], env, port, 1, size, url)]
     try:
         out = tmp / "out"
         wait_until(lambda: len(list(out.glob("saved-*"))) == 2, "the durable commit", agents, tmp)
@@ -122,7 +98,7 @@ def one_loss(tmp: Path, variant: str, size: int, moto: MotoServer) -> dict[str, 
             os.kill(server, signal.SIGKILL)
         shutil.rmtree(roots[1])
         lost = time.time()
-        agents.append(agent(tmp, roots[2], env, port, False, size, url))
+        agents.append(agent(tmp, roots[2], env, port, 1, size, url))
         wait_until(lambda: len(list(out.glob("*.json"))) == 2, "the resume", [agents[0], agents[2]], tmp)
         reports = [json.loads(p.read_text()) for p in out.glob("*.json")]
     finally:

@@ -166,6 +166,21 @@ def kill_job(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
+def elastic_node(
+    port: int, node: int, rdzv_id: str, nproc: int, script: Path, *args: str, static: bool = False
+) -> list[str]:
+    """The command of node ``node``'s torchrun agent in a 2-node job on this host, with one restart: a c10d
+    rendezvous on ``127.0.0.1:port`` hosted by node 0 (a lost node leaves it 8 s after its last heartbeat, not the
+    default 15 s; live ones beat every 1-2 s), or with ``static`` the static one, as ``srun torchrun --node_rank``."""
+    if static:
+        rendezvous = ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    else:
+        rendezvous = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", rdzv_id]
+        rendezvous += ["--rdzv_conf", f"is_host={int(node == 0)},keep_alive_interval=1,keep_alive_max_attempt=8"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(nproc)]
+    return [*command, *rendezvous, "--max_restarts", "1", str(script), *args]
+
+
 class MotoServer:
     """moto's S3 server as its own process on 127.0.0.1, so a test can also kill it mid-upload."""
 

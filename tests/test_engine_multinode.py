@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from resilience.dist import Topology, node_identity
 from resilience.storage.manifest import FileEntry, Manifest, hash_bytes
 from resilience.storage.peer_copies import held
 from resilience.storage.processes import process_start_ticks
-from tests.helpers import WORKERS, base_env, free_port, kill_job, record_tier_opens
+from tests.helpers import WORKERS, base_env, elastic_node, free_port, kill_job, record_tier_opens
 from tests.workers.engine_worker import check_restored, state_for
 
 WORKER = WORKERS / "multinode_worker.py"
@@ -143,37 +142,17 @@ class Job:
     def start(self, root: Path, node: int) -> subprocess.Popen[str]:
         """Start node ``node``'s agent; with c10d, node 0's agent hosts the rendezvous and must outlive the others."""
         log = self.tmp / f"agent-{len(self.agents)}-{root.name}.log"
-        if self.static:
-            rendezvous = ["--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(self.port)]
-        else:
-            rendezvous = [
-                "--rdzv_backend",
-                "c10d",
-                "--rdzv_endpoint",
-                f"127.0.0.1:{self.port}",
-                "--rdzv_id",
-                "multinode-test",
-                "--rdzv_conf",
-                # a lost node leaves the rendezvous 8 s after its last heartbeat (default 15 s); live ones beat
-                # every 1-2 s
-                f"is_host={int(node == 0)},keep_alive_interval=1,keep_alive_max_attempt=8",
-            ]
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc_per_node",
-            str(self.nproc),
-            *rendezvous,
-            "--max_restarts",
-            "1",
-            str(WORKER),
+        command = elastic_node(
+            self.port,
+            node,
+            "multinode-test",
+            self.nproc,
+            WORKER,
             str(root),
             f"file://{self.durable}",
             str(self.reports),
-        ]
+            static=self.static,
+        )
         with log.open("w") as out:
             agent = subprocess.Popen(
                 command, env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -36,7 +36,9 @@ Address = tuple[str, int]
 PEER_DIR = ".peer"
 START_TIMEOUT_S = 10.0
 SOCKET_TIMEOUT_S = 60.0
-SPOOL_BYTES = 64 << 20  # a copy read back stays in memory up to this size, then goes to a temporary file
+# A file read back from a peer stays in memory up to this size (a rank reads one file at a time), then goes to a
+# temporary file: a peer's network is faster than this node's disk, which a smaller bound would make the limit.
+SPOOL_BYTES = 1 << 30
 _CHUNK = 8 << 20
 
 
