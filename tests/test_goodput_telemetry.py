@@ -124,9 +124,15 @@ def test_visible_devices_map_to_physical_gpus(monkeypatch: pytest.MonkeyPatch) -
     assert nvml.handles == [6, "GPU-bbb"]
 
 
+def test_a_peer_copy_becomes_metrics() -> None:
+    telemetry = CheckpointTelemetry(sample_gpu=False)
+    telemetry({"event": "peer_copy", "step": 5, "rank": 0, "time": time.time(), "bytes": 2048, "seconds": 0.25})
+    assert telemetry.drain() == [{"checkpoint/peer_copy_s": 0.25, "checkpoint/peer_copy_bytes": 2048.0}]
+
+
 def test_failures_skips_and_retries_are_counted() -> None:
     telemetry = CheckpointTelemetry(sample_gpu=False)
-    for kind in ("failed", "upload_retry", "upload_retry", "skipped", "deleted"):
+    for kind in ("failed", "upload_retry", "upload_retry", "skipped", "deleted", "peer_copy_failed"):
         telemetry({"event": kind, "step": 5, "rank": 0, "time": time.time()})
-    assert telemetry.counts == {"failures": 1, "skipped": 1, "upload_retries": 2}
+    assert telemetry.counts == {"failures": 1, "skipped": 1, "upload_retries": 2, "peer_copy_failures": 1}
     assert [m for m in telemetry.drain() if "checkpoint/upload_retries" in m][-1]["checkpoint/upload_retries"] == 2.0

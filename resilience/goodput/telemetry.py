@@ -22,6 +22,12 @@ from resilience.goodput.ledger import GoodputLedger
 log = logging.getLogger(__name__)
 PREFIX = "checkpoint/"
 _STEP_NAMES = {"local_commit": "committed_step", "durable_commit": "uploaded_step"}
+_COUNTED = {
+    "failed": "failures",
+    "skipped": "skipped",
+    "upload_retry": "upload_retries",
+    "peer_copy_failed": "peer_copy_failures",
+}
 
 
 class GpuUtilSampler:
@@ -129,7 +135,7 @@ class CheckpointTelemetry:
         self.ledger = ledger
         self.gpu = GpuUtilSampler.create(nvml, gpu_index, gpu_every_s) if sample_gpu else None
         self.records: list[dict[str, float]] = []
-        self.counts = {"failures": 0, "skipped": 0, "upload_retries": 0}
+        self.counts = {"failures": 0, "skipped": 0, "upload_retries": 0, "peer_copy_failures": 0}
         self._pending: collections.deque[dict[str, float]] = collections.deque()
 
     def __call__(self, event: dict[str, Any]) -> None:
@@ -139,8 +145,13 @@ class CheckpointTelemetry:
             metrics = self._local(event)
         elif kind == "durable_commit":
             metrics = self._durable(event)
-        elif kind in ("failed", "skipped", "upload_retry"):
-            name = {"failed": "failures", "skipped": "skipped", "upload_retry": "upload_retries"}[kind]
+        elif kind == "peer_copy":  # this rank's files sent to the next node's memory (peer copies)
+            metrics = {
+                PREFIX + "peer_copy_s": float(event["seconds"]),
+                PREFIX + "peer_copy_bytes": float(event["bytes"]),
+            }
+        elif kind in _COUNTED:
+            name = _COUNTED[kind]
             self.counts[name] += 1
             metrics = {PREFIX + name: float(self.counts[name])}
         if metrics is None:

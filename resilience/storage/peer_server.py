@@ -140,13 +140,20 @@ class Handler(socketserver.StreamRequestHandler):
                 reply, payload = self.answer(request)
             except (ValueError, KeyError, TypeError, ConnectionError) as exc:
                 reply, payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}, None
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
-            if isinstance(payload, str):
-                with open(payload, "rb") as handle:
-                    self.connection.sendfile(handle, 0, reply["size"])
-            elif payload is not None:
-                self.wfile.write(memoryview(payload))
-            self.wfile.flush()
+            try:
+                self.reply(reply, payload)
+            except OSError:  # the reader went away (or a file on disk did): it reads elsewhere
+                return
+
+    def reply(self, reply: dict[str, Any], payload: bytearray | str | None) -> None:
+        """The reply's line, then a file's bytes: from memory, or from disk (``payload`` a path)."""
+        self.wfile.write(json.dumps(reply).encode() + b"\n")
+        if isinstance(payload, str):
+            with open(payload, "rb") as handle:
+                self.connection.sendfile(handle, 0, reply["size"])
+        elif payload is not None:
+            self.wfile.write(memoryview(payload))
+        self.wfile.flush()
 
     def answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytearray | str | None]:
         op = request["op"]
