@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         "launch",
         help="run a training script's ranks on this node, replacing a lost rank in place (exits with the job's code)",
     )
-    from resilience.recovery.launcher import add_arguments
+    from resilience.recovery.launch_config import add_arguments
 
     add_arguments(launch)
     launch.set_defaults(func=cmd_launch)

@@ -12,8 +12,11 @@ command run again resumes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,9 +341,28 @@ def accelerate(out: Path, **settings: str) -> tuple[int, str]:
     return launch(out / "launch.log", 2, ACCELERATE, [str(out)], env=env)
 
 
-def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(tmp_path: Path) -> None:
-    code, output = accelerate(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def accelerate_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 2-rank Accelerate loop under the launcher; its folder of final states."""
+    out = tmp_path_factory.mktemp("accelerate") / "reference"
+    code, output = accelerate(out)
     assert code == 0, output[-6000:]
+    return out
+
+
+def same_final_states(run: Path, reference: Path) -> None:
+    """Each rank's final model and sample indices are the uninterrupted run's, bit for bit."""
+    for rank in (0, 1):
+        got = torch.load(run / f"final-rank{rank}.pt", weights_only=False)
+        want = torch.load(reference / f"final-rank{rank}.pt", weights_only=False)
+        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
+        for name, tensor in want["model"].items():
+            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+
+
+def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(
+    tmp_path: Path, accelerate_reference: Path
+) -> None:
     code, output = accelerate(tmp_path / "run", ACCELERATE_RESILIENCE_EVERY_N_STEPS="4", TRAIN_VICTIM="1:7")
     assert code == 0, output[-6000:]
     assert "survivor save of step 7 by ranks [0] (lost: [1]): committed" in output
@@ -348,12 +370,7 @@ def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(
     assert "Traceback" not in output and "rank 0: training ended as its peer was lost" in output, output[-6000:]
     resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
     assert [r["global_step"] for r in resumed] == [0, 0, 7, 7], output[-6000:]
-    for rank in (0, 1):
-        got = torch.load(tmp_path / "run" / f"final-rank{rank}.pt", weights_only=False)
-        want = torch.load(tmp_path / "reference" / f"final-rank{rank}.pt", weights_only=False)
-        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
-        for name, tensor in want["model"].items():
-            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    same_final_states(tmp_path / "run", accelerate_reference)
     # rank 0's ledger: the survivor's incarnation ended asking for the restart, the next one began in place
     report = subprocess.run(
         [sys.executable, "-m", "resilience.cli", "report", str(tmp_path / "run" / "ckpt"), "--json"],
@@ -368,11 +385,11 @@ def test_an_accelerate_loop_restarts_in_place_after_a_kill_9_and_ends_bit_exact(
     assert 0 < incarnations[1]["recovery_s"] < 60
 
 
-def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_last_commit(tmp_path: Path) -> None:
+def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_last_commit(
+    tmp_path: Path, accelerate_reference: Path
+) -> None:
     """Each node its own local root, one durable URL: no survivor save (no local tier both ranks see), so the
     job restarts in place from the last commit (step 4), rank 1 in a spare on its own node, and ends bit-exact."""
-    code, output = accelerate(tmp_path / "reference")
-    assert code == 0, output[-6000:]
     out = tmp_path / "run"
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
@@ -396,12 +413,90 @@ def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_las
     assert "rank 1 left with signal SIGKILL" in node_1 and "generation 1: rank(s) [1] replaced" in node_1, node_1
     resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
     assert sorted(r["global_step"] for r in resumed) == [0, 0, 4, 4], output[-6000:]
-    for rank in (0, 1):
-        got = torch.load(out / f"final-rank{rank}.pt", weights_only=False)
-        want = torch.load(tmp_path / "reference" / f"final-rank{rank}.pt", weights_only=False)
-        assert got["indices"] == want["indices"], f"rank {rank} trained on other samples"
-        for name, tensor in want["model"].items():
-            assert torch.equal(got["model"][name], tensor), f"rank {rank}: {name} differs"
+    same_final_states(out, accelerate_reference)
+
+
+def node_env(out: Path, root: Path, **extra: str) -> dict[str, str]:
+    """One node's environment for the Accelerate loop: its own local root, the job's durable URL."""
+    env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
+    env.update(
+        HF_HOME=str(out / "hf-home"),
+        ACCELERATE_RESILIENCE_LOCAL_ROOT=str(root),
+        ACCELERATE_RESILIENCE_DURABLE_URL=(out / "durable").as_uri(),
+        ACCELERATE_RESILIENCE_EVERY_N_STEPS="4",
+        **extra,
+    )
+    return env
+
+
+def test_a_node_lost_whole_is_replaced_by_a_new_launcher_and_the_job_goes_on_from_its_peers(
+    tmp_path: Path, accelerate_reference: Path
+) -> None:
+    """Two nodes of one rank, each its own local root. Once node 0's peer-copy server holds rank 1's files of
+    step 4, node 1 is lost whole: its launcher, rank and server killed, its disk gone. A launcher started with
+    ``--node-rank 1`` on a new root takes its place (``--node-wait-s``): node 0 announces the next generation,
+    its rank runs again in place, the new node's rank starts fresh, both resume from the newest durable step
+    (the new node reading from its peer), and the job ends bit-exact with an uninterrupted one."""
+    out = tmp_path / "run"
+    out.mkdir()
+    endpoint = f"127.0.0.1:{free_port()}"
+    options: dict[str, Any] = {"nnodes": 2, "rdzv_endpoint": endpoint, "recovery_timeout_s": 2, "node_wait_s": 120}
+    roots = [out / "node-0", out / "node-1", out / "node-new"]
+    env = {"TRAIN_STEP_SLEEP": "1.0"}
+    procs = [
+        start(
+            out / f"{root.name}.log",
+            1,
+            ACCELERATE,
+            [str(out)],
+            env=node_env(out, root, **env),
+            node_rank=node,
+            **options,
+        )
+        for node, root in enumerate(roots[:2])
+    ]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (roots[0] / "step-4" / "manifest.json").exists() or not peer_holds(roots[0], 1, 4):
+            assert time.monotonic() < deadline and procs[1].poll() is None, (out / "node-1.log").read_text()[-4000:]
+            time.sleep(0.1)
+        server = json.loads((roots[1] / ".peer" / "server.json").read_text())["pid"]
+        kill_tree(procs[1])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGKILL)
+        shutil.rmtree(roots[1])
+        new = start(
+            out / "node-new.log", 1, ACCELERATE, [str(out)], env=node_env(out, roots[2], **env), node_rank=1, **options
+        )
+        codes = wait_all([procs[0], new], out)
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    output = (out / "node-0.log").read_text() + (out / "node-new.log").read_text()
+    assert codes == [0, 0], output[-6000:]
+    assert "node(s) [1] lost whole: replaced by the launcher(s) that joined" in output, output[-6000:]
+    assert "node 1 was lost: this launcher takes its place" in output, output[-6000:]
+    resumed = [json.loads(found) for found in re.findall(r"RESUME rank=\d (\{[^{}]*\})", output)]
+    assert (
+        len(resumed) == 3
+        and resumed[0]["global_step"] == 0
+        and resumed[1]["global_step"] == resumed[2]["global_step"] >= 4
+    )
+    # rank 0 (whose lines show) read node 1's files from its own node's server: that copy is all that is left
+    assert "from peers' memory" in (out / "node-0.log").read_text(), output[-6000:]
+    same_final_states(out, accelerate_reference)
+
+
+def peer_holds(root: Path, rank: int, step: int) -> bool:
+    """Whether the peer-copy server of the node with ``root`` holds ``rank``'s files of ``step``."""
+    from resilience.storage.peer_copies import held
+
+    try:
+        where = json.loads((root / ".peer" / "server.json").read_text())
+        run_id = json.loads((root / f"step-{step}" / "manifest.json").read_text())["run_id"]
+        return any(c["rank"] == rank and c["step"] >= step for c in held((where["host"], where["port"]), run_id))
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def test_a_configuration_error_ends_the_job_instead_of_being_run_again(tmp_path: Path) -> None:

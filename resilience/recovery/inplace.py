@@ -80,6 +80,18 @@ def ready_key(generation: int, node: int) -> str:
     return f"ready/{generation}/{node}"
 
 
+def started_key(node: int) -> str:
+    """Set by node ``node``'s launcher once it has started its ranks: a launcher that finds it set replaces a node
+    lost whole."""
+    return f"started/{node}"
+
+
+def joined_key(generation: int, node: int) -> str:
+    """Set by a launcher that replaces node ``node`` while ``generation`` runs: node 0 may then go on without the
+    lost node's own launcher."""
+    return f"joined/{generation}/{node}"
+
+
 def left_key(node: int) -> str:
     """Set by node ``node``'s launcher once every rank there has left: node 0 hosts the store and keeps it up until
     every node has said so, or a node still finishing would find the store gone."""

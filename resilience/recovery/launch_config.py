@@ -6,6 +6,7 @@ The launcher itself (:mod:`resilience.recovery.launcher`) runs what these descri
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import importlib.util
@@ -44,7 +45,11 @@ class LaunchConfig:
         stop_grace_s: After one rank's agreed stop, how long the others may take to leave before they are killed.
         recovery_timeout_s: After a rank is lost, how long the others may take to end their generation (their
             survivor save included) before they are killed and replaced too; a node whose launcher does not
-            answer within it (a node lost whole) ends the job with 75, for the scheduler to run it again.
+            answer within twice that is taken as lost whole (see ``node_wait_s``).
+        node_wait_s: When a node's launcher is lost (a node lost whole), how long node 0 waits for a replacement: a
+            launcher started with that ``--node-rank`` while the job runs. It then starts that node's ranks in the
+            next generation, and the others restart in place. 0 (the default): the job ends with 75 at once, for
+            the scheduler to run it again.
         master_addr: This node's address for the store and, on node 0, for the ranks' rendezvous.
     """
 
@@ -59,6 +64,7 @@ class LaunchConfig:
     stop_codes: tuple[int, ...] = (EXIT_CONFIG_ERROR, 69, 75)
     stop_grace_s: float = 120.0
     recovery_timeout_s: float = 120.0
+    node_wait_s: float = 0.0
     master_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
@@ -78,9 +84,29 @@ class LaunchConfig:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def ranks(self) -> range:
-        """This node's global ranks."""
-        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+    def ranks(self, node: int | None = None) -> range:
+        """The global ranks of node ``node`` (default: this node)."""
+        node = self.node_rank if node is None else node
+        return range(node * self.nproc_per_node, (node + 1) * self.nproc_per_node)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``resilience launch``'s options: :class:`LaunchConfig`'s fields."""
+    defaults = LaunchConfig()
+    add = parser.add_argument
+    add("--nproc-per-node", type=int, default=defaults.nproc_per_node, help="ranks on this node")
+    add("--nnodes", type=int, default=defaults.nnodes, help="nodes in the job, one launcher on each")
+    add("--node-rank", type=int, default=defaults.node_rank, help="this node's number; node 0 decides")
+    add("--rdzv-endpoint", default=defaults.rdzv_endpoint, help="HOST:PORT of node 0's launcher store")
+    add("--max-restarts", type=int, default=defaults.max_restarts, help="restarts (generations) the job may make")
+    add("--spares", type=int, default=defaults.spares, help="warm processes kept ready to take a lost rank")
+    add("--spare-delay-s", type=float, default=defaults.spare_delay_s, help="wait after a restart for a new spare")
+    add("--preload", default=defaults.preload, help="modules a spare imports first (comma list, or 'auto')")
+    add("--stop-grace-s", type=float, default=defaults.stop_grace_s, help="how long ranks may take to stop")
+    add("--recovery-timeout-s", type=float, default=defaults.recovery_timeout_s, help="how long survivors may take")
+    add("--node-wait-s", type=float, default=defaults.node_wait_s, help="wait for a lost node's replacement launcher")
+    add("--master-addr", default=defaults.master_addr, help="this node's address for the store (one node)")
+    add("target", nargs=argparse.REMAINDER, help="the script and its arguments, or -m module and its arguments")
 
 
 def auto_preload(target: Target) -> list[str]:

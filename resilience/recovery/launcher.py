@@ -44,8 +44,10 @@ from resilience.recovery.inplace import (
     evictions_key,
     failed_key,
     generation_key,
+    joined_key,
     left_key,
     ready_key,
+    started_key,
     waiting_key,
 )
 from resilience.recovery.launch_config import LaunchConfig, auto_preload
@@ -82,6 +84,7 @@ class _Job:
     ended: Generation | None = None  # the announced end of the job
     stop_deadline: float | None = None
     spares_due: float | None = None  # when the spares taken by a restart are started again
+    waiting_for_nodes: bool = False  # node 0 has said it waits for launchers to replace lost nodes
 
 
 class Launcher:
@@ -191,13 +194,13 @@ class Launcher:
         )
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         try:
-            if self.leader:
-                self._announce(Generation(0, port=free_port(self._store_host)))
-            self._store.wait([generation_key(0)])
-            first = Generation.decode(0, self._store.get(generation_key(0)))
+            first = self._first_generation()
             self.job.generation = first
-            for rank in self.config.ranks():
+            if first.port is None:  # joined a job that ended meanwhile
+                self.job.ended = first
+            for rank in self.config.ranks() if first.port is not None else ():
                 self._start(rank, first)
+            self._store.set(started_key(self.config.node_rank), str(os.getpid()))
             self._fill_spares()
             while self.job.workers or (self.job.dead and self.job.ended is None):  # ranks to replace still
                 try:
@@ -217,6 +220,23 @@ class Launcher:
                     spare.kill()
                 spare.wait()
         return self._final_code()
+
+    def _first_generation(self) -> Generation:
+        """The generation this node's ranks start in: 0, or for a launcher that replaces a node lost whole (its node
+        had started before), the next one node 0 announces once it has seen this launcher join."""
+        if self.leader:
+            self._announce(Generation(0, port=free_port(self._store_host)))
+        node = self.config.node_rank
+        if self.leader or not self._store.check([started_key(node)]):
+            self._store.wait([generation_key(0)])
+            return Generation.decode(0, self._store.get(generation_key(0)))
+        current = 0
+        while self._store.check([generation_key(current + 1)]):
+            current += 1
+        log.warning("node %d was lost: this launcher takes its place from generation %d", node, current + 1)
+        self._store.set(joined_key(current, node), str(os.getpid()))
+        self._store.wait([generation_key(current + 1)], timedelta(seconds=self.config.node_wait_s + 600))
+        return Generation.decode(current + 1, self._store.get(generation_key(current + 1)))
 
     def _leave(self) -> None:
         """Say this node's ranks have all left; node 0 then keeps the store up until every node has (a node lost
@@ -347,14 +367,15 @@ class Launcher:
         """Node 0: once every node's live ranks wait, the next generation, or the job's end."""
         job, config = self.job, self.config
         number = job.generation.number
-        keys = [ready_key(number, node) for node in range(config.nnodes)]
-        if not self._store.check(keys):
-            assert job.failing_since is not None
-            if time.monotonic() - job.failing_since > 2 * config.recovery_timeout_s:
-                log.error("a node's launcher did not answer after the failure (a node lost): the job ends")
-                self._stop(max(config.stop_codes, default=75))
+        silent = [node for node in range(config.nnodes) if not self._store.check([ready_key(number, node)])]
+        if silent and not self._nodes_replaced(silent):
             return
-        reports = [json.loads(self._store.get(key)) for key in keys]
+        reports = [
+            json.loads(self._store.get(ready_key(number, node)))
+            if node not in silent
+            else {"dead": list(config.ranks(node)), "finished": []}  # its replacement starts them all
+            for node in range(config.nnodes)
+        ]
         lost = sorted(rank for report in reports for rank in report["dead"])
         finished = sorted(rank for report in reports for rank in report["finished"])
         if finished or job.generation.restarts >= config.max_restarts:
@@ -364,12 +385,38 @@ class Launcher:
             return
         self._announce(Generation(number + 1, port=free_port(self._store_host), restarts=job.generation.restarts + 1))
 
+    def _nodes_replaced(self, silent: list[int]) -> bool:
+        """Node 0, when the ``silent`` nodes' launchers have not said their ranks wait: True once a replacement
+        launcher has joined for each (a node lost whole, ``node_wait_s``); False while they may still answer or
+        be replaced; when neither can be any more, the job ends with 75, for the scheduler to run it again."""
+        job, config = self.job, self.config
+        number = job.generation.number
+        assert job.failing_since is not None
+        silent_s = time.monotonic() - job.failing_since - 2 * config.recovery_timeout_s
+        if silent_s < 0:
+            return False
+        if all(self._store.check([joined_key(number, node)]) for node in silent):
+            log.warning("node(s) %s lost whole: replaced by the launcher(s) that joined", silent)
+            return True
+        if silent_s > config.node_wait_s:
+            log.error("a node's launcher did not answer after the failure (a node lost): the job ends")
+            self._stop(max(config.stop_codes, default=75))
+        elif not job.waiting_for_nodes:
+            job.waiting_for_nodes = True
+            log.warning(
+                "node(s) %s lost whole: waiting up to %.0f s for launchers started with --node-rank %s",
+                silent,
+                config.node_wait_s,
+                ",".join(map(str, silent)),
+            )
+        return False
+
     def _next_generation(self, nxt: Generation) -> None:
         """The next generation is announced: this node's lost ranks are replaced (the others run again by
         themselves, in their process)."""
         job = self.job
         lost = sorted(job.dead)
-        job.generation, job.failing_since, job.evictions_seen = nxt, None, 0
+        job.generation, job.failing_since, job.evictions_seen, job.waiting_for_nodes = nxt, None, 0, False
         for rank in lost:
             self._start(rank, nxt)
         job.dead.clear()
@@ -425,24 +472,6 @@ def _describe(code: int) -> str:
         with contextlib.suppress(ValueError):
             return f"signal {signal.Signals(-code).name}"
     return f"code {code}"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``resilience launch``'s options: :class:`LaunchConfig`'s fields."""
-    defaults = LaunchConfig()
-    add = parser.add_argument
-    add("--nproc-per-node", type=int, default=defaults.nproc_per_node, help="ranks on this node")
-    add("--nnodes", type=int, default=defaults.nnodes, help="nodes in the job, one launcher on each")
-    add("--node-rank", type=int, default=defaults.node_rank, help="this node's number; node 0 decides")
-    add("--rdzv-endpoint", default=defaults.rdzv_endpoint, help="HOST:PORT of node 0's launcher store")
-    add("--max-restarts", type=int, default=defaults.max_restarts, help="restarts (generations) the job may make")
-    add("--spares", type=int, default=defaults.spares, help="warm processes kept ready to take a lost rank")
-    add("--spare-delay-s", type=float, default=defaults.spare_delay_s, help="wait after a restart for a new spare")
-    add("--preload", default=defaults.preload, help="modules a spare imports first (comma list, or 'auto')")
-    add("--stop-grace-s", type=float, default=defaults.stop_grace_s, help="how long ranks may take to stop")
-    add("--recovery-timeout-s", type=float, default=defaults.recovery_timeout_s, help="how long survivors may take")
-    add("--master-addr", default=defaults.master_addr, help="this node's address for the store (one node)")
-    add("target", nargs=argparse.REMAINDER, help="the script and its arguments, or -m module and its arguments")
 
 
 def launch(args: argparse.Namespace) -> int:
