@@ -11,7 +11,8 @@ which have committed the last completed step meanwhile, run their script again i
 rank: every rank leaves, and so does the launcher, with that code, for the scheduler to requeue the job.
 
 Several nodes: one launcher per node, sharing node 0's store (``--nnodes``, ``--node-rank``,
-``--rdzv-endpoint``); node 0's launcher decides each generation, every node replaces its own lost ranks.
+``--rdzv-endpoint``); node 0's launcher decides each generation, every node replaces its own lost ranks, and a
+node lost whole is replaced by a launcher started with its ``--node-rank`` within ``--node-wait-s``.
 """
 
 from __future__ import annotations
