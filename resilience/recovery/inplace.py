@@ -119,6 +119,10 @@ class Generation:
 
 _requested: str | None = None  # why this process restarts in place once its script ends
 _before_next: list[Callable[[], None]] = []  # what to close before the next generation (see before_next_generation)
+# a collective's error that ended the script with no survivor save: its report (the traceback, and one line), held
+# until the launcher says whether the job restarts (see _report_end)
+_held: tuple[str, str] | None = None
+_LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _store: Any = None
 
 
@@ -243,19 +247,53 @@ def _report_end(exc: BaseException) -> None:
     When it is the error a lost peer leaves (a collective failed) and the survivors saved and asked for a restart
     in place, the event was handled: one line, and the traceback only at DEBUG. The hooks decide that: under
     Accelerate the survivors' save runs inside the handle's excepthook, so the hook's output is held until it has
-    returned, then printed as it was or turned into that line."""
+    returned, then printed as it was or turned into that line. With no survivor save (node-local disks), such an
+    error is held until the launcher says whether the job restarts (:func:`_settle_report`)."""
+    global _held
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
         sys.excepthook(type(exc), exc, exc.__traceback__)
-    if requested() is None:
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    if requested() is not None:
+        log.warning(
+            "rank %s: training ended as its peer was lost (%s: %s)",
+            os.environ.get("RANK", "?"),
+            type(exc).__name__,
+            first,
+        )
+        log.debug("the error that ended this generation:\n%s", printed.getvalue())
+    elif _lost_peer_error(exc):  # no survivor save (node-local disks): handled if the launcher restarts the job
+        _held = (printed.getvalue(), f"{type(exc).__name__}: {first}")
+    else:
         sys.stderr.write(printed.getvalue())
         sys.stderr.flush()
+
+
+def _lost_peer_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is what a collective raises when a peer is gone."""
+    from torch.distributed import DistError
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, DistError) or any(word in str(cause) for word in _LOST_PEER_WORDS):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _settle_report(restarting: bool) -> None:
+    """A held report (:func:`_report_end`): one line when the job restarts, the lost peer's being handled (the
+    traceback at DEBUG); the traceback as it was when it does not."""
+    global _held
+    held, _held = _held, None
+    if held is None:
         return
-    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-    log.warning(
-        "rank %s: training ended as its peer was lost (%s: %s)", os.environ.get("RANK", "?"), type(exc).__name__, first
-    )
-    log.debug("the error that ended this generation:\n%s", printed.getvalue())
+    if restarting:
+        log.warning("rank %s: training ended as a peer was lost (%s); restarting", os.environ.get("RANK", "?"), held[1])
+        log.debug("the error that ended this generation:\n%s", held[0])
+    else:
+        sys.stderr.write(held[0])
+        sys.stderr.flush()
 
 
 def _close_generation() -> None:
@@ -298,9 +336,11 @@ def run(target: Target) -> NoReturn:
             store().set(waiting_key(number, int(os.environ["RANK"])), str(code))
             store().set(failed_key(number), "1")
         except Exception as exc:
+            _settle_report(restarting=False)
             log.error("the launcher's store is gone (%s): this rank ends", exc)
             sys.exit(code or 1)
         nxt = wait_for_generation(number + 1, NEXT_GENERATION_WAIT_S)
+        _settle_report(restarting=nxt is not None and nxt.port is not None)
         if nxt is None:
             log.error("no new generation came from the launcher within %.0f s", NEXT_GENERATION_WAIT_S)
             sys.exit(code or 1)
