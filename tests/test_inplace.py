@@ -442,7 +442,8 @@ def test_a_node_lost_whole_is_replaced_by_a_new_launcher_and_the_job_goes_on_fro
     out = tmp_path / "run"
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
-    options: dict[str, Any] = {"nnodes": 2, "rdzv_endpoint": endpoint, "recovery_timeout_s": 2, "node_wait_s": 120}
+    # a recovery timeout longer than the test's: node 1 can only be found lost by its launcher's heartbeat
+    options: dict[str, Any] = {"nnodes": 2, "rdzv_endpoint": endpoint, "recovery_timeout_s": 300, "node_wait_s": 120}
     roots = [out / "node-0", out / "node-1", out / "node-new"]
     env = {"TRAIN_STEP_SLEEP": "1.0"}
     procs = [
@@ -476,6 +477,7 @@ def test_a_node_lost_whole_is_replaced_by_a_new_launcher_and_the_job_goes_on_fro
             kill_tree(proc)
     output = (out / "node-0.log").read_text() + (out / "node-new.log").read_text()
     assert codes == [0, 0], output[-6000:]
+    assert "node(s) [1] lost whole (their launchers' heartbeat stopped)" in output, output[-6000:]
     assert "node(s) [1] lost whole: replaced by the launcher(s) that joined" in output, output[-6000:]
     assert "node 1 was lost: this launcher takes its place" in output, output[-6000:]
     assert "Traceback" not in output and "rank 0: training ended as a peer was lost" in output, output[-6000:]

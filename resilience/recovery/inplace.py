@@ -80,6 +80,12 @@ def ready_key(generation: int, node: int) -> str:
     return f"ready/{generation}/{node}"
 
 
+def beat_key(node: int) -> str:
+    """A counter node ``node``'s launcher raises every second: node 0 tells a node lost whole (its count stands)
+    from one whose ranks are slow to end their generation, without trusting either machine's clock."""
+    return f"beat/{node}"
+
+
 def started_key(node: int) -> str:
     """Set by node ``node``'s launcher once it has started its ranks: a launcher that finds it set replaces a node
     lost whole."""

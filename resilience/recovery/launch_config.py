@@ -45,7 +45,7 @@ class LaunchConfig:
         stop_grace_s: After one rank's agreed stop, how long the others may take to leave before they are killed.
         recovery_timeout_s: After a rank is lost, how long the others may take to end their generation (their
             survivor save included) before they are killed and replaced too; a node whose launcher does not
-            answer within twice that is taken as lost whole (see ``node_wait_s``).
+            answer within twice that (or whose launcher's heartbeat stops) is lost whole (see ``node_wait_s``).
         node_wait_s: When a node's launcher is lost (a node lost whole), how long node 0 waits for a replacement: a
             launcher started with that ``--node-rank`` while the job runs. It then starts that node's ranks in the
             next generation, and the others restart in place. 0 (the default): the job ends with 75 at once, for

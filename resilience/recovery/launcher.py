@@ -52,6 +52,7 @@ from resilience.recovery.inplace import (
     waiting_key,
 )
 from resilience.recovery.launch_config import LaunchConfig, auto_preload
+from resilience.recovery.lost_nodes import LostNodes
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -85,7 +86,6 @@ class _Job:
     ended: Generation | None = None  # the announced end of the job
     stop_deadline: float | None = None
     spares_due: float | None = None  # when the spares taken by a restart are started again
-    waiting_for_nodes: bool = False  # node 0 has said it waits for launchers to replace lost nodes
 
 
 class Launcher:
@@ -193,6 +193,7 @@ class Launcher:
             wait_for_workers=False,
             timeout=timedelta(seconds=max(60.0, self.config.recovery_timeout_s)),
         )
+        self._lost = LostNodes(self._store, self.config)
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         try:
             first = self._first_generation()
@@ -297,6 +298,7 @@ class Launcher:
     def _watch(self) -> None:
         """One look: who left, who waits, who is to be ended, and what the job's next generation is."""
         job = self.job
+        self._lost.beat()
         if job.spares_due is not None and job.ended is None and time.monotonic() >= job.spares_due:
             job.spares_due = None
             self._fill_spares()
@@ -369,8 +371,14 @@ class Launcher:
         job, config = self.job, self.config
         number = job.generation.number
         silent = [node for node in range(config.nnodes) if not self._store.check([ready_key(number, node)])]
-        if silent and not self._nodes_replaced(silent):
-            return
+        if silent:
+            assert job.failing_since is not None
+            replaced = self._lost.replaced(silent, number, job.failing_since)
+            if replaced is None:
+                log.error("a node's launcher did not answer after the failure (a node lost): the job ends")
+                self._stop(max(config.stop_codes, default=75))
+            if not replaced:
+                return
         reports = [
             json.loads(self._store.get(ready_key(number, node)))
             if node not in silent
@@ -386,38 +394,13 @@ class Launcher:
             return
         self._announce(Generation(number + 1, port=free_port(self._store_host), restarts=job.generation.restarts + 1))
 
-    def _nodes_replaced(self, silent: list[int]) -> bool:
-        """Node 0, when the ``silent`` nodes' launchers have not said their ranks wait: True once a replacement
-        launcher has joined for each (a node lost whole, ``node_wait_s``); False while they may still answer or
-        be replaced; when neither can be any more, the job ends with 75, for the scheduler to run it again."""
-        job, config = self.job, self.config
-        number = job.generation.number
-        assert job.failing_since is not None
-        silent_s = time.monotonic() - job.failing_since - 2 * config.recovery_timeout_s
-        if silent_s < 0:
-            return False
-        if all(self._store.check([joined_key(number, node)]) for node in silent):
-            log.warning("node(s) %s lost whole: replaced by the launcher(s) that joined", silent)
-            return True
-        if silent_s > config.node_wait_s:
-            log.error("a node's launcher did not answer after the failure (a node lost): the job ends")
-            self._stop(max(config.stop_codes, default=75))
-        elif not job.waiting_for_nodes:
-            job.waiting_for_nodes = True
-            log.warning(
-                "node(s) %s lost whole: waiting up to %.0f s for launchers started with --node-rank %s",
-                silent,
-                config.node_wait_s,
-                ",".join(map(str, silent)),
-            )
-        return False
-
     def _next_generation(self, nxt: Generation) -> None:
         """The next generation is announced: this node's lost ranks are replaced (the others run again by
         themselves, in their process)."""
         job = self.job
         lost = sorted(job.dead)
-        job.generation, job.failing_since, job.evictions_seen, job.waiting_for_nodes = nxt, None, 0, False
+        job.generation, job.failing_since, job.evictions_seen = nxt, None, 0
+        self._lost.lost_at = None
         for rank in lost:
             self._start(rank, nxt)
         job.dead.clear()
