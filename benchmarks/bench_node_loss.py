@@ -10,6 +10,8 @@ all-reduce. Two variants, in turns that alternate:
 - ``peers``: ``peer_copies=True`` (the default): the new node reads node b's files from node a's memory and
   node a's from node a's disk, both through node a's server; node a reads its own from its disk.
 - ``durable``: ``peer_copies=False``: the new node reads every file from S3, node a reads node b's from S3.
+- ``launch``: as ``peers``, under ``resilience launch --node-wait-s``: node a's launcher finds node b lost by its
+  heartbeat, node a's rank runs its script again in its process, and a new launcher with ``--node-rank 1`` joins.
 
 Measured: from the kill to the first step done on both ranks, and the load alone (the slower rank's).
 
@@ -23,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,14 +48,21 @@ from tests.helpers import S3_ENV, MotoServer, elastic_node, free_port, kill_job
 WORKER = Path(__file__).with_name("node_loss_worker.py")
 BUCKET = "bench-node-loss"
 TIMEOUT_S = 900
-VARIANTS = ("peers", "durable")
+VARIANTS = ("peers", "durable", "launch")
 
 
 def agent(
-    tmp: Path, root: Path, env: dict[str, str], port: int, node: int, size: int, url: str
+    tmp: Path, root: Path, env: dict[str, str], port: int, node: int, size: int, url: str, launch: bool
 ) -> subprocess.Popen[str]:
-    """One node's torchrun agent (node 0's hosts the rendezvous), its rank running the worker."""
-    command = elastic_node(port, node, "bench-node-loss", 1, WORKER, str(root), url, str(tmp / "out"), str(size))
+    """One node's launcher (node 0's hosts the rendezvous), its rank running the worker: a torchrun agent, or with
+    ``launch`` ``resilience launch``, which waits for a lost node's replacement."""
+    args = [str(root), url, str(tmp / "out"), str(size)]
+    if launch:
+        flags = ["--nnodes=2", f"--node-rank={node}", f"--rdzv-endpoint=127.0.0.1:{port}", "--node-wait-s=300"]
+        command = [sys.executable, "-m", "resilience.cli", "launch", *flags, "--recovery-timeout-s=300", str(WORKER)]
+        command += args
+    else:
+        command = elastic_node(port, node, "bench-node-loss", 1, WORKER, *args)
     with (tmp / f"agent-{root.name}.log").open("a") as log:
         return subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -80,17 +90,18 @@ def one_loss(tmp: Path, variant: str, size: int, moto: MotoServer) -> dict[str, 
             **S3_ENV,
             "OMP_NUM_THREADS": "1",
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            "BENCH_PEER_COPIES": "1" if variant == "peers" else "0",
+            "BENCH_PEER_COPIES": "0" if variant == "durable" else "1",
             "BENCH_STORAGE_OPTIONS": json.dumps(options),
         }
     )
     url = f"s3://{BUCKET}/{tmp.name}"
     port, roots = free_port(), [tmp / "node-a", tmp / "node-b", tmp / "node-new"]
-    agents = [agent(tmp, roots[0], env, port, 0, size, url), agent(tmp, roots[1], env, port, 1, size, url)]
+    launch = variant == "launch"
+    agents = [agent(tmp, roots[n], env, port, n, size, url, launch) for n in (0, 1)]
     try:
         out = tmp / "out"
         wait_until(lambda: len(list(out.glob("saved-*"))) == 2, "the durable commit", agents, tmp)
-        if variant == "peers":
+        if variant != "durable":
             wait_for_copy(roots[0])
         server = peer_server_pid(roots[1])
         kill_job(agents[1])
@@ -98,7 +109,7 @@ def one_loss(tmp: Path, variant: str, size: int, moto: MotoServer) -> dict[str, 
             os.kill(server, signal.SIGKILL)
         shutil.rmtree(roots[1])
         lost = time.time()
-        agents.append(agent(tmp, roots[2], env, port, 1, size, url))
+        agents.append(agent(tmp, roots[2], env, port, 1, size, url, launch))
         wait_until(lambda: len(list(out.glob("*.json"))) == 2, "the resume", [agents[0], agents[2]], tmp)
         reports = [json.loads(p.read_text()) for p in out.glob("*.json")]
     finally:

@@ -3,7 +3,8 @@
 Usage: node_loss_worker.py LOCAL_ROOT DURABLE_URL OUT_DIR SIZE_BYTES
 
 With nothing to resume it saves step 1 of a replicated state of SIZE_BYTES (16 fp32 tensors, seeded values),
-waits for its durable commit and then trains on (sleeps) until the node is lost or torchrun restarts it. With
+waits for its durable commit and then trains on (an all-reduce every 0.2 s) until a peer is lost or torchrun
+restarts it; under ``resilience launch`` the survivor then runs this script again in its process. With
 a checkpoint it loads it, checks every value bit-exact, runs one step's all-reduce, and writes
 ``OUT_DIR/<pid>.json``: when the load and the first step ended, the load's parts and where it read its bytes.
 Settings come from the environment: ``BENCH_PEER_COPIES`` (1/0) and ``BENCH_STORAGE_OPTIONS`` (JSON).
@@ -54,8 +55,9 @@ def main() -> None:
         manager.save(1, state(size, 0))
         manager.wait(durable=True)
         (out / f"saved-{rank}").write_text(root)
-        while True:  # training on; the node's loss (or torchrun's restart) ends it
-            time.sleep(1)
+        while True:  # training on: a step's all-reduce fails once a peer is lost (or torchrun restarts this rank)
+            dist.all_reduce(torch.ones(1))
+            time.sleep(0.2)
     expected = state(size, 0)
     exact = all(torch.equal(target[k], expected[k]) for k in expected)
     dist.all_reduce(torch.ones(1))  # the first step's collective: every rank is back
