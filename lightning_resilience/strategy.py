@@ -96,7 +96,7 @@ class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):
         super()._configure_launcher()
         environment = self.cluster_environment
         starts_ranks = environment is not None and not environment.creates_processes_externally
-        if starts_ranks and self.checkpoint_io.config.persist == "process":
+        if starts_ranks and self.num_processes > 1 and self.checkpoint_io.config.persist == "process":
             share_server()
 
     @classmethod

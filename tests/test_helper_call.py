@@ -91,10 +91,10 @@ def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> N
 
 
 def test_the_ranks_a_process_starts_fork_their_helpers_from_its_server_while_it_runs(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # How Lightning's first rank of a node starts the others: they need not wait for servers of their own.
-    monkeypatch.delenv(SHARE_VARIABLE, raising=False)  # restored after: later tests' processes start their own
+    monkeypatch.setenv(SHARE_VARIABLE, "")  # unset again after: later tests' processes start their own servers
     share_server()
     server = ForkServer.get()
     assert isinstance(server, ForkServer)
@@ -102,12 +102,15 @@ def test_the_ranks_a_process_starts_fork_their_helpers_from_its_server_while_it_
         "import os, sys\n"
         "from resilience.persist.fork_server import ForkServer\n"
         "from resilience.persist.helper import call_in_helper\n"
+        "assert call_in_helper(os.getcwd) == os.getcwd()\n"  # the rank's working directory, not the server's
         "print(call_in_helper(os.getppid), call_in_helper(os.getenv, 'RESILIENCE_HELPER_PARENT_PID'), flush=True)\n"
         "sys.stdin.readline()\n"  # meanwhile the server this process was started with ends
         "print(call_in_helper(os.getppid), ForkServer.get().process.pid, flush=True)\n"
     )
     command = [sys.executable, "-c", rank]
-    proc = subprocess.Popen(command, env=base_env(), cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, env=base_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         forked_by, settings_of = map(int, proc.stdout.readline().split())

@@ -182,16 +182,24 @@ def test_the_ranks_lightning_starts_share_the_first_ranks_fork_server(
 ) -> None:
     # Lightning's launcher copies this process's environment to the ranks it starts (see test_helper_call.py for
     # how they use the server); under torchrun or SLURM (LOCAL_RANK set) every rank is started apart, with its own.
-    monkeypatch.delenv(SHARE_VARIABLE, raising=False)  # restored after: later tests' processes start their own
+    monkeypatch.setenv(SHARE_VARIABLE, "")  # unset again after: later tests' processes start their own servers
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     io = ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="process")
-    ResilientDDPStrategy(cluster_environment=LightningEnvironment(), checkpoint_io=io)._configure_launcher()
+    devices = [torch.device("cpu")] * 2
+
+    def configured(cluster_environment: LightningEnvironment, parallel_devices: list[torch.device]) -> str:
+        os.environ[SHARE_VARIABLE] = ""
+        strategy = ResilientDDPStrategy(cluster_environment=cluster_environment, checkpoint_io=io)
+        strategy.parallel_devices = parallel_devices
+        strategy._configure_launcher()
+        return os.environ[SHARE_VARIABLE]
+
     server = ForkServer.get(early=True)
-    assert isinstance(server, ForkServer) and os.environ[SHARE_VARIABLE] == server.share
-    monkeypatch.delenv(SHARE_VARIABLE)
+    assert isinstance(server, ForkServer)
+    assert configured(LightningEnvironment(), devices) == server.share
+    assert configured(LightningEnvironment(), devices[:1]) == ""  # one process: no rank to start
     monkeypatch.setenv("LOCAL_RANK", "0")
-    ResilientDDPStrategy(cluster_environment=LightningEnvironment(), checkpoint_io=io)._configure_launcher()
-    assert SHARE_VARIABLE not in os.environ
+    assert configured(LightningEnvironment(), devices) == ""
 
 
 def test_first_launch_starts_fresh_quietly(tmp_path: Path) -> None:

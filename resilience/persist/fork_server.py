@@ -57,12 +57,14 @@ SHARE_VARIABLE = "RESILIENCE_HELPER_SERVER"
 @dataclass(frozen=True, kw_only=True)
 class Inherited:
     """What a forked helper takes on from its training process as of its request (the fork server's own are from
-    its start): environment, pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
+    its start, or another process's): environment, working directory (relative paths, such as a ``file://``
+    durable URL, mean what they mean there), pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
 
     log_level: int
     preload: tuple[str, ...] = ()
     environ: dict[str, str] = field(default_factory=dict)
     parent_pid: int = 0
+    cwd: str = field(default_factory=os.getcwd)
 
 
 @dataclass(frozen=True)
@@ -352,6 +354,8 @@ def _become(origin: Inherited) -> None:
     """A forked helper takes on its training process's settings."""
     os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
     os.environ.update(origin.environ, RESILIENCE_HELPER_PARENT_PID=str(origin.parent_pid))
+    with contextlib.suppress(OSError):  # gone since: the training process's relative paths fail there too
+        os.chdir(origin.cwd)
     logging.basicConfig(level=origin.log_level, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     for module in origin.preload:  # instrumentation of the helper: tracing, profiling, fault drills
