@@ -46,7 +46,7 @@ def persistent_helpers(owner: str) -> set[int]:
         from resilience.persist.fork_server import ForkServer
 
         server = ForkServer._instance
-        if server is not None and server.process.poll() is None:
+        if isinstance(server, ForkServer) and server.alive():  # not a server inherited from a parent process
             pids.add(server.process.pid)
     elif owner == "dcp":
         from torch.distributed.checkpoint import _async_process_executor as executor

@@ -19,6 +19,7 @@ from resilience import CheckpointConfig, CheckpointManager
 from resilience.errors import CheckpointError
 from resilience.formats import export
 from resilience.formats.names import NameWriter, repaired_writer
+from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer, share_server
 from resilience.persist.helper import call_in_helper
 from tests.helpers import ROOT, WORKERS, base_env
 from tests.workers.name_then_killed import state as killed_state
@@ -87,6 +88,42 @@ def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> N
         "assert used is not early and used.process.poll() is None\n"
     )
     subprocess.run([sys.executable, "-c", script], env=base_env(), cwd=ROOT, timeout=120, check=True)
+
+
+def test_the_ranks_a_process_starts_fork_their_helpers_from_its_server_while_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # How Lightning's first rank of a node starts the others: they need not wait for servers of their own.
+    monkeypatch.setenv(SHARE_VARIABLE, "")  # unset again after: later tests' processes start their own servers
+    share_server()
+    server = ForkServer.get()
+    assert isinstance(server, ForkServer)
+    rank = (
+        "import os, sys\n"
+        "from resilience.persist.fork_server import ForkServer\n"
+        "from resilience.persist.helper import call_in_helper\n"
+        "assert call_in_helper(os.getcwd) == os.getcwd()\n"  # the rank's working directory, not the server's
+        "print(call_in_helper(os.getppid), call_in_helper(os.getenv, 'RESILIENCE_HELPER_PARENT_PID'), flush=True)\n"
+        "sys.stdin.readline()\n"  # meanwhile the server this process was started with ends
+        "print(call_in_helper(os.getppid), ForkServer.get().process.pid, flush=True)\n"
+    )
+    command = [sys.executable, "-c", rank]
+    proc = subprocess.Popen(
+        command, env=base_env(), cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        forked_by, settings_of = map(int, proc.stdout.readline().split())
+        assert (forked_by, settings_of) == (server.process.pid, proc.pid)  # its server; its own settings
+        server.stop()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        forked_by, own = map(int, proc.stdout.readline().split())
+        assert forked_by == own != server.process.pid  # a server of its own now
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

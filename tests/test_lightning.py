@@ -1,12 +1,14 @@
 """The Lightning adapter through real Trainer runs as subprocesses: kill -9 and relaunch, bit-exact resume,
 2-rank DDP with every rank writing, corrupt checkpoints skipped, SIGTERM and injected GPU faults, torchrun
-restarts, and LightningCLI; in one process, the random numbers after a resume at an epoch end."""
+restarts, and LightningCLI; in one process, the random numbers after a resume at an epoch end, and which ranks
+share the first rank's fork server."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,11 +20,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from examples.demo_model import DemoModel, Points
-from lightning_resilience import AutoResume, PeriodicCheckpoint, ResilientCheckpointIO
+from lightning_resilience import AutoResume, PeriodicCheckpoint, ResilientCheckpointIO, ResilientDDPStrategy
 from resilience.cli import main as resilience_cli
+from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
 
 WORKER = WORKERS / "lightning_train.py"
@@ -171,6 +175,31 @@ def test_a_resume_at_an_epoch_end_replays_only_the_seeds_the_saved_run_drew(tmp_
     assert resumed.strategy.checkpoint_io.resumed_at_epoch_end
     for key, value in straight.items():
         assert torch.equal(value, params[key]), f"{key} differs from the uninterrupted run"
+
+
+def test_the_ranks_lightning_starts_share_the_first_ranks_fork_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's launcher copies this process's environment to the ranks it starts (see test_helper_call.py for
+    # how they use the server); under torchrun or SLURM (LOCAL_RANK set) every rank is started apart, with its own.
+    monkeypatch.setenv(SHARE_VARIABLE, "")  # unset again after: later tests' processes start their own servers
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="process")
+    devices = [torch.device("cpu")] * 2
+
+    def configured(cluster_environment: LightningEnvironment, parallel_devices: list[torch.device]) -> str:
+        os.environ[SHARE_VARIABLE] = ""
+        strategy = ResilientDDPStrategy(cluster_environment=cluster_environment, checkpoint_io=io)
+        strategy.parallel_devices = parallel_devices
+        strategy._configure_launcher()
+        return os.environ[SHARE_VARIABLE]
+
+    server = ForkServer.get(early=True)
+    assert isinstance(server, ForkServer)
+    assert configured(LightningEnvironment(), devices) == server.share
+    assert configured(LightningEnvironment(), devices[:1]) == ""  # one process: no rank to start
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert configured(LightningEnvironment(), devices) == ""
 
 
 def test_first_launch_starts_fresh_quietly(tmp_path: Path) -> None:

@@ -9,15 +9,22 @@ Schedulers stop a job by signalling every process of it: SLURM each process of t
 ``accelerate launch`` each worker's process group, Kubernetes the whole container at the end of its grace, and a
 terminal's Ctrl-C the foreground process group. The helpers hold the very saves the training process makes when
 it is told to stop, so they ignore those signals (:data:`STOP_SIGNALS`, from before their interpreter starts) and
-end with their training process instead: a helper exits when its connection closes (or, for a call, when the
-keep-alive pipe does), the fork server when its keep-alive pipe does, and a SIGKILL at the end of the grace ends
-them all.
+end with their training process instead: a helper exits when its connection closes, the fork server when its
+keep-alive pipe does, and a SIGKILL at the end of the grace ends them all.
+
+The ranks Lightning starts from the first rank of a node use that rank's server (:func:`share_server`,
+:class:`InheritedServer`): each is a fresh interpreter whose own server would be up only seconds after its first
+save asked for a helper, on the cores the ranks set up on; the first rank's server, started when its plugin was
+made, is up by then. A helper forked for another process takes that process's settings, and ends with that
+process; should the shared server end first (its process did), the next helper comes from a server of the
+rank's own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import logging
 import os
 import selectors
@@ -29,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -43,17 +50,21 @@ from resilience.persist.helper_process import pickled_error, serve_pipeline
 PIPELINE, CALL = b"pipeline", b"call"
 
 CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
+# Where a process's fork server is, for the ranks it starts (share_server): JSON, see InheritedServer's fields.
+SHARE_VARIABLE = "RESILIENCE_HELPER_SERVER"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Inherited:
     """What a forked helper takes on from its training process as of its request (the fork server's own are from
-    its start): environment, pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
+    its start, or another process's): environment, working directory (relative paths, such as a ``file://``
+    durable URL, mean what they mean there), pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
 
     log_level: int
     preload: tuple[str, ...] = ()
     environ: dict[str, str] = field(default_factory=dict)
     parent_pid: int = 0
+    cwd: str = field(default_factory=os.getcwd)
 
 
 @dataclass(frozen=True)
@@ -66,14 +77,15 @@ class Call(Inherited):
 
 
 class ForkServer:
-    """One per training process: a child interpreter with the engine imported, forking a helper per request.
+    """One per training process (and the processes it starts): a child interpreter with the engine imported,
+    forking a helper per request.
 
     It listens on a Unix socket in a private temporary folder; each accepted connection becomes the
     connection between the training process and the helper forked for it. It exits with the training process
-    (it watches a pipe only the training process holds open).
+    that started it (it watches a pipe only that process holds open).
     """
 
-    _instance: ForkServer | None = None
+    _instance: ForkServer | InheritedServer | None = None
     _guard = threading.Lock()
 
     def __init__(self) -> None:
@@ -97,47 +109,126 @@ class ForkServer:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
         self.wanted = False  # by more than start_server_early(): a helper was or is being forked from it
+        shared = InheritedServer(os.getpid(), self.process.pid, self.address, self.authkey.hex(), _code())
+        self.share = json.dumps(asdict(shared))  # what share_server() tells the processes started
 
     @classmethod
-    def get(cls, *, early: bool = False) -> ForkServer:
+    def get(cls, *, early: bool = False) -> ForkServer | InheritedServer:
+        """This process's server: the one it started, or the one of the process that started it, if running;
+        else a new one."""
         with cls._guard:
-            if cls._instance is None or cls._instance.process.poll() is not None:
-                cls._instance = cls()
+            if cls._instance is None or not cls._instance.alive():
+                cls._instance = InheritedServer.from_environment() or cls()
             cls._instance.wanted |= not early
             return cls._instance
 
     def stop(self) -> None:
         """End the server at once, while it has forked nothing (it may still be importing torch)."""
+        if os.environ.get(SHARE_VARIABLE) == self.share:
+            del os.environ[SHARE_VARIABLE]
         self.process.kill()
         self.process.wait()
         os.close(self._keepalive)
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
     def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
         """A connection to a newly forked helper of ``kind`` (:data:`PIPELINE` or :data:`CALL`); waits for the
         server to be up, the first time."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                conn = Client(self.address, family="AF_UNIX", authkey=self.authkey)
-            except (FileNotFoundError, ConnectionRefusedError):
-                if self.process.poll() is not None:
-                    raise CheckpointError(
-                        f"the checkpoint helper server exited with code {self.process.returncode} before it "
-                        "started; see its output above, or set persist='thread'"
-                    ) from None
-                if time.monotonic() > deadline:
-                    raise CheckpointError(
-                        f"the checkpoint helper server did not start within {timeout_s:.0f} s"
-                    ) from None
-                time.sleep(0.02)
-                continue
-            try:
-                conn.send_bytes(kind)
-            except BaseException:
-                conn.close()
-                raise
-            return conn
+        while (conn := _dial(self.address, self.authkey, kind)) is None:
+            if self.process.poll() is not None:
+                raise CheckpointError(
+                    f"the checkpoint helper server exited with code {self.process.returncode} before it "
+                    "started; see its output above, or set persist='thread'"
+                )
+            _check_deadline(deadline, timeout_s)
+            time.sleep(0.02)
+        return conn
+
+
+class ServerGone(Exception):
+    """The inherited fork server has ended (with the process that started it)."""
+
+
+@dataclass
+class InheritedServer:
+    """The fork server of the process that started this one (:func:`share_server`), used instead of a server of
+    this process's own: it has imported torch already. Only a direct parent's (a pid that started this process
+    cannot be another's), and only if it runs the same Python and the same engine code as this process."""
+
+    owner: int  # the pid of the process that started the server
+    pid: int  # the server's
+    address: str
+    authkey: str  # hex
+    code: str  # the interpreter and the engine's folder (_code)
+    wanted: bool = False
+
+    @classmethod
+    def from_environment(cls) -> InheritedServer | None:
+        try:
+            server = cls(**json.loads(os.environ.get(SHARE_VARIABLE) or "null"))
+        except (TypeError, ValueError):
+            return None
+        return server if server.code == _code() and server.alive() else None
+
+    def alive(self) -> bool:
+        """While the parent that started the server runs (else this process has another parent now), and the
+        server too (not a zombie its parent has not reaped yet)."""
+        if os.getppid() != self.owner:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as stat:
+                return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+        except (OSError, IndexError):
+            return False
+
+    def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+        """As :meth:`ForkServer.connect`; :class:`ServerGone` once the server has ended."""
+        deadline = time.monotonic() + timeout_s
+        while (conn := _dial(self.address, bytes.fromhex(self.authkey), kind)) is None:
+            if not self.alive():
+                raise ServerGone
+            _check_deadline(deadline, timeout_s)
+            time.sleep(0.02)
+        return conn
+
+    def stop(self) -> None:
+        """Nothing: the server is its parent's."""
+
+
+def connect(kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+    """A connection to a newly forked helper of ``kind``, from this process's fork server (started if need be)."""
+    try:
+        return ForkServer.get().connect(kind, timeout_s)
+    except ServerGone:  # the inherited server ended with its process: this one starts its own
+        return ForkServer.get().connect(kind, timeout_s)
+
+
+def _code() -> str:
+    """What a helper runs, as far as a process can tell: its Python and the engine's folder."""
+    return f"{sys.executable}|{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}"
+
+
+def _dial(address: str, authkey: bytes, kind: bytes) -> Connection | None:
+    """A connection to the server listening at ``address``, asking for a helper of ``kind``; None while none is."""
+    try:
+        conn = Client(address, family="AF_UNIX", authkey=authkey)
+    except (FileNotFoundError, ConnectionRefusedError):
+        return None
+    try:
+        conn.send_bytes(kind)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _check_deadline(deadline: float, timeout_s: float) -> None:
+    if time.monotonic() > deadline:
+        raise CheckpointError(f"the checkpoint helper server did not start within {timeout_s:.0f} s")
 
 
 def start_server_early() -> None:
@@ -145,6 +236,15 @@ def start_server_early() -> None:
     torch, and the first save would wait for it, stalling training where a name is written at once (which waits
     for its commit). By the first save, seconds later (the framework's set-up, a resume), it is up."""
     ForkServer.get(early=True)
+
+
+def share_server() -> None:
+    """Start this process's fork server (as :func:`start_server_early`) for the processes it starts from now on,
+    too: call before Lightning's launcher starts the other ranks of the node from this one. Their own servers would
+    be up seconds after their first save asked for a helper; this one is up by then."""
+    server = ForkServer.get(early=True)
+    if isinstance(server, ForkServer):  # not one this process inherited: it started none of the ranks it serves
+        os.environ[SHARE_VARIABLE] = server.share
 
 
 def stop_early_server() -> None:
@@ -198,20 +298,18 @@ def _serve(address: str, keepalive_fd: int) -> None:
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
-                _helper(conn, kind, keepalive_fd)
+                _helper(conn, keepalive_fd)
             conn.close()  # the child holds it now: its death is an EOF the training process sees
 
 
-def _helper(conn: Connection, kind: bytes, keepalive_fd: int) -> None:
+def _helper(conn: Connection, keepalive_fd: int) -> None:
     """A forked helper: it runs what its first message says, and exits."""
-    if kind == CALL:
-        _exit_with_training_process(keepalive_fd)
-    else:  # a persist helper reads its connection all the time: its EOF says the same
-        os.close(keepalive_fd)
+    os.close(keepalive_fd)  # the server's owner: a helper ends with its own training process, its connection's end
     try:
         first = conn.recv()
         _become(first)
         if isinstance(first, Call):
+            _exit_with_training_process(conn)
             _call_main(conn, first)
         else:
             serve_pipeline(conn, first)
@@ -229,14 +327,17 @@ def _import_once_for_all_helpers() -> None:
     FakeTensorMode()
 
 
-def _exit_with_training_process(keepalive_fd: int) -> None:
+def _exit_with_training_process(conn: Connection) -> None:
     """A helper forked for a call exits as soon as its training process is gone, mid-call or not, as the
     training process's own threads would. What it writes is whole or absent either way; and a name an orphan
     went on writing could land after a relaunch wrote the same path anew (``last.ckpt`` back to an older
-    step). The relaunch writes again what was cut short (:meth:`~resilience.formats.names.NameWriter.repair`)."""
+    step). The relaunch writes again what was cut short (:meth:`~resilience.formats.names.NameWriter.repair`).
+    Nothing is sent to it after the call: its connection reads as closed (EOF) when that process is gone (or
+    gave up on the call)."""
+    fd = conn.fileno()
 
     def watch() -> None:
-        while os.read(keepalive_fd, 64):  # nothing is ever written: this returns b"" when the writer is gone
+        while os.read(fd, 64):
             pass
         os._exit(1)
 
@@ -253,6 +354,8 @@ def _become(origin: Inherited) -> None:
     """A forked helper takes on its training process's settings."""
     os.environ.clear()  # the fork server's is from when it started; credentials and settings may have changed
     os.environ.update(origin.environ, RESILIENCE_HELPER_PARENT_PID=str(origin.parent_pid))
+    with contextlib.suppress(OSError):  # gone since: the training process's relative paths fail there too
+        os.chdir(origin.cwd)
     logging.basicConfig(level=origin.log_level, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     for module in origin.preload:  # instrumentation of the helper: tracing, profiling, fault drills
