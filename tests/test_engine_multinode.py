@@ -376,6 +376,7 @@ def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_its_peers_without_
     assert {name for tier, name in kept["reads"] if tier == "peer"}.isdisjoint(own)
 
 
+@pytest.mark.slow  # the per-file fallback is tests/test_peer_copies.py's; this is the whole job's
 def test_a_lost_node_whose_peer_copy_is_lost_too_resumes_from_the_durable_tier(tmp_path: Path) -> None:
     """As above, but node a's server dies with node b: node b's files are then nowhere but in the durable tier,
     and the replacement reads them there, and node a's files from node a's new server (its disk)."""

@@ -445,7 +445,7 @@ def test_a_node_lost_whole_is_replaced_by_a_new_launcher_and_the_job_goes_on_fro
     # a recovery timeout longer than the test's: node 1 can only be found lost by its launcher's heartbeat
     options: dict[str, Any] = {"nnodes": 2, "rdzv_endpoint": endpoint, "recovery_timeout_s": 300, "node_wait_s": 120}
     roots = [out / "node-0", out / "node-1", out / "node-new"]
-    env = {"TRAIN_STEP_SLEEP": "1.0"}
+    env = {"TRAIN_STEP_SLEEP": "0.5"}  # step 8's commit comes 2 s after step 4's: the kill is well before it
     procs = [
         start(
             out / f"{root.name}.log",
