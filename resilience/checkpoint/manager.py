@@ -102,14 +102,15 @@ class CheckpointManager:
         self._roots = RootClaim(self.local, self.durable, self.groups.control, self.rank, self.is_local_leader)
         # names this job's incarnation among others on the same root (liveness records, survivor notes)
         self.job_token: str = self.groups.control.decide(lambda: uuid.uuid4().hex[:12])
-        self._restorer = Restorer(
-            config, self.local, self.durable, self.groups.control, self._roots, self.rank, self.world_size
-        )
         self._peer: Address | None = None  # where this rank's files of each durable step are copied
+        servers: list[Address] = []
         if config.peer_copies and not self.local_shared and self.durable is not None:
-            self._peer, self._restorer.peer_servers = link_nodes(
+            self._peer, servers = link_nodes(
                 self.local.root, self.topology.nodes, self.rank, self.is_local_leader, self.groups.control.all_gather
             )
+        self._restorer = Restorer(
+            config, self.local, self.durable, self.groups.control, self._roots, self.rank, self.world_size, servers
+        )
         self._handles: dict[int, SaveHandle] = {}
         self._restored: Restored | None = None
         self._staging_area = StagingArea(config)

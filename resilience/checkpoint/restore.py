@@ -51,6 +51,7 @@ class Restorer:
         roots: RootClaim,
         rank: int,
         world_size: int,
+        peer_servers: list[Address] | None = None,
     ):
         self.config = config
         self.local = local
@@ -59,7 +60,7 @@ class Restorer:
         self.roots = roots  # a copy set aside as corrupt is no longer a step that exists
         self.rank = rank
         self.world_size = world_size
-        self.peer_servers: list[Address] = []  # the nodes' peer-copy servers (set by the manager)
+        self.peer_servers = peer_servers or []  # the nodes' peer-copy servers (peer copies)
 
     def latest(self) -> catalog.Entry | None:
         """The newest committed checkpoint that verifies, agreed by all ranks."""

@@ -400,7 +400,7 @@ class Launcher:
         job = self.job
         lost = sorted(job.dead)
         job.generation, job.failing_since, job.evictions_seen = nxt, None, 0
-        self._lost.lost_at = None
+        self._lost.next_generation()
         for rank in lost:
             self._start(rank, nxt)
         job.dead.clear()

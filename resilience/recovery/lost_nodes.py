@@ -31,6 +31,10 @@ class LostNodes:
         self.lost_at: float | None = None  # when this generation's silent nodes were found lost whole
         self._beat_at = 0.0
 
+    def next_generation(self) -> None:
+        """A new generation began: its silent nodes, if any, are judged afresh."""
+        self.lost_at = None
+
     def beat(self) -> None:
         """Raise this node's counter, at most every ``BEAT_S``."""
         if time.monotonic() - self._beat_at >= BEAT_S:
@@ -48,9 +52,8 @@ class LostNodes:
                 return False  # slow ranks, not a lost node: the recovery timeout deals with them
             self.lost_at = now
             why = "their launchers' heartbeat stopped" if stood else "silent for twice --recovery-timeout-s"
-            wait = f"waiting up to {config.node_wait_s:.0f} s for launchers started with --node-rank " + ",".join(
-                map(str, silent)
-            )
+            nodes = ",".join(map(str, silent))
+            wait = f"waiting up to {config.node_wait_s:.0f} s for launchers started with --node-rank {nodes}"
             log.warning("node(s) %s lost whole (%s): %s", silent, why, wait if config.node_wait_s > 0 else "no wait")
         if all(self.store.check([joined_key(generation, node)]) for node in silent):
             log.warning("node(s) %s lost whole: replaced by the launcher(s) that joined", silent)

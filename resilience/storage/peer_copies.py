@@ -28,12 +28,11 @@ from typing import IO, Any
 import xxhash
 
 from resilience.storage.manifest import FileEntry, Manifest
-from resilience.storage.peer_server import SERVER_FILE, alive
+from resilience.storage.peer_server import PEER_DIR, SERVER_FILE, alive
 from resilience.storage.processes import process_start_ticks
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
-PEER_DIR = ".peer"
 START_TIMEOUT_S = 10.0
 SOCKET_TIMEOUT_S = 60.0
 # A file read back from a peer stays in memory up to this size (a rank reads one file at a time), then goes to a

@@ -36,7 +36,8 @@ if __package__:
 else:  # run as a script: its folder is on sys.path, and the pack's package (which imports torch) is not imported
     from processes import process_start_ticks  # type: ignore[no-redef]
 
-SERVER_FILE = "server.json"  # in <local_root>/.peer/: where this node's server listens
+PEER_DIR = ".peer"  # in a local root: the peer-copy server's own files
+SERVER_FILE = "server.json"  # in PEER_DIR: where this node's server listens
 WATCH_INTERVAL_S = 1.0
 MAX_HEADER = 1 << 24
 
@@ -205,7 +206,7 @@ class Server(socketserver.ThreadingTCPServer):
 def main(root: str, watch_pid: int, watch_ticks: int | None) -> None:
     """Listen on a free port, say where in ``<root>/.peer/server.json``, serve until the watched process ends."""
     server = Server(root)
-    folder = os.path.join(root, ".peer")
+    folder = os.path.join(root, PEER_DIR)
     os.makedirs(folder, exist_ok=True)
     where = {"host": socket.gethostname(), "port": server.server_address[1], "pid": os.getpid()}
     partial = os.path.join(folder, f".{os.getpid()}.tmp")
