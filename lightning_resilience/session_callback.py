@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
+from lightning_resilience.launcher_observer import defer_lightning_kills
 from resilience.session import TrainingSession
 
 
@@ -61,6 +62,7 @@ class SessionCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._session is not None:
             self._session.start(trainer.global_step)
+            defer_lightning_kills(self._session)  # Lightning's launcher waits for the survivors' save or stop
 
     @override
     def on_train_batch_start(

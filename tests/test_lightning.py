@@ -225,7 +225,8 @@ def test_ckpt_path_last_and_skipping_a_corrupt_newest_checkpoint(tmp_path: Path,
 def test_ddp_ranks_write_in_parallel_and_an_injected_xid_stops_both_for_a_bit_exact_resume(
     tmp_path: Path, ddp_reference: Path
 ) -> None:
-    drill = {"RESILIENCE_INJECT": "xid=79@step=6,rank=1"}
+    # rank 0 leaves 6 s after rank 1: Lightning's launcher sees rank 1's exit meanwhile, and must not SIGKILL rank 0
+    drill = {"RESILIENCE_INJECT": "xid=79@step=6,rank=1", "TEST_SLOW_LEAVE_S": "6"}
     stopped = train(tmp_path, "--devices", "2", "--health", env=drill)
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == 69, output
@@ -308,7 +309,7 @@ def test_ddp_callbacks_that_differ_per_rank_save_and_come_back_as_the_leading_ra
     ("how", "extra"),
     [
         # a killed rank's survivor save: also test_survivors.py and under accelerate launch
-        pytest.param("kill", ["--step-sleep", "0.1"], marks=pytest.mark.slow),
+        ("kill", ["--step-sleep", "0.1"]),
         ("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"]),
     ],
     ids=["kill-9-mid-step", "sigstop-mid-step"],
@@ -320,9 +321,11 @@ def test_ddp_survivor_saves_what_a_lost_rank_leaves_and_the_relaunch_is_bit_exac
     replica, records who wrote it, and exits 75; the relaunch on both ranks ends where an uninterrupted run does."""
     command = [sys.executable, str(WORKER), "--root", str(tmp_path), "--devices", "2", "--victim", f"1:7:{how}", *extra]
     log = tmp_path / "run.log"
+    # the save takes 6 s: Lightning's launcher sees the killed rank's exit meanwhile, and must not SIGKILL rank 0
+    slow = {"TEST_SLOW_SURVIVOR_S": "6"} if how == "kill" else {}
     with log.open("w") as sink:  # not a pipe: a stopped rank 1 (rank 0's child) would hold it open forever
         proc = subprocess.Popen(
-            command, env=base_env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            command, env=base_env(slow), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
         proc.wait(timeout=180)

@@ -217,7 +217,8 @@ class HelperPipeline(PersistPipeline):
             elif kind == "closed":
                 self._closed.set()
         if not self._closed.is_set():
-            self._helper_died(f"the checkpoint helper process (pid {self.pid}) died")
+            ended = "was ended" if self._killed else "died"  # ended: for a survivor save or a restart
+            self._helper_died(f"the checkpoint helper process (pid {self.pid}) {ended}")
 
     def _resolve(self, kind: str, step: int, result: Any, timings: dict[str, float] | None) -> None:
         with self._lock:

@@ -96,6 +96,12 @@ class PeerLossConfig:
                 "seconds and heartbeat_s < stale_s"
             )
 
+    @property
+    def rescue_s(self) -> float:
+        """The longest a survivor's rescue may take, from the failure: the lost peer's heartbeat going stale, the
+        save, and a few seconds to leave."""
+        return self.stale_s + self.heartbeat_s + self.grace_s + 5.0
+
 
 def nccl_in_use() -> bool:
     """Whether this process's default group runs NCCL (its backend string names it, for one device type or all)."""
@@ -242,7 +248,7 @@ class PeerLossWatch:
         # sockets close, or its communicator is aborted) can all get here; a later one waits for the first's answer
         # rather than let its error end the process in the middle of that save, with an exit code no launcher
         # restarts on. A thread that finds a lost peer keeps the lock: it saves and exits the process.
-        deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s + self.config.grace_s + 5.0
+        deadline = time.monotonic() + self.config.rescue_s
         while not self._rescuing.acquire(timeout=0.05):
             if self.outcome is not None or time.monotonic() > deadline:
                 return self.outcome

@@ -3,7 +3,8 @@
 Launched as a script (Lightning starts the other DDP rank by re-running it). ``--kill-at K`` makes the run
 SIGKILL itself after step K once the checkpoints saved so far are committed; relaunching resumes.
 ``TEST_SLOW_WRITE_S`` slows every background write (in the checkpoint helper process), so a signal can land
-mid-save.
+mid-save. ``TEST_SLOW_SURVIVOR_S`` slows each survivor save, and ``TEST_SLOW_LEAVE_S`` rank 0's way out after an
+error or a stop, past the 5 s in which Lightning's launcher sees another rank's exit.
 """
 
 from __future__ import annotations
@@ -115,8 +116,33 @@ class Sleep(pl.Callback):
             time.sleep(self.seconds)
 
 
+class SlowToLeave(pl.Callback):
+    """Rank 0 leaves ``seconds`` later after an error or a stop, as a slow teardown would."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_exception(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 0:
+            time.sleep(self.seconds)
+
+
+def slow_down_survivor_saves(seconds: float) -> None:
+    from resilience.recovery import peer_loss
+
+    save = peer_loss.survivor_save
+
+    def slow_save(*args: object, **kwargs: object) -> object:
+        time.sleep(seconds)
+        return save(*args, **kwargs)  # type: ignore[arg-type]
+
+    peer_loss.survivor_save = slow_save  # type: ignore[assignment]
+
+
 def main() -> None:
     slow_down_loads_from_env()
+    if os.environ.get("TEST_SLOW_SURVIVOR_S"):
+        slow_down_survivor_saves(float(os.environ["TEST_SLOW_SURVIVOR_S"]))
     if os.environ.get("TEST_SLOW_WRITE_S"):  # each background write first leaves a marker and waits
         os.environ.update(RESILIENCE_HELPER_PRELOAD="tests.workers.helper_faults", TEST_HELPER_FAULT="slow_write")
     p = argparse.ArgumentParser()
@@ -184,6 +210,8 @@ def main() -> None:
     if args.victim:
         rank, step, how = args.victim.split(":")
         callbacks.append(Victim(int(rank), int(step), how))
+    if os.environ.get("TEST_SLOW_LEAVE_S"):
+        callbacks.append(SlowToLeave(float(os.environ["TEST_SLOW_LEAVE_S"])))
     if args.step_sleep:
         callbacks.append(Sleep(args.step_sleep, after_boundary=args.sleep_after_boundary))
     trainer = pl.Trainer(
