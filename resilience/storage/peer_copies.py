@@ -13,6 +13,7 @@ the rank sending it, so at most the partner's share of a step plus one rank's sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -91,12 +92,18 @@ def _running(local_root: str, pid: int | None = None) -> Address | None:
     return address if reply.get("root") == local_root else None
 
 
-def _call(address: Address, request: dict[str, Any], *, timeout: float) -> dict[str, Any]:
-    """One request without payload, and its reply; raises OSError on any failure."""
+@contextlib.contextmanager
+def _asked(address: Address, request: dict[str, Any], timeout: float = SOCKET_TIMEOUT_S) -> Iterator[socket.socket]:
+    """A connection to a server, ``request`` sent (one JSON line); raises OSError on any failure."""
     with socket.create_connection(address, timeout=timeout) as sock:
         sock.sendall(json.dumps(request).encode() + b"\n")
-        with sock.makefile("rb") as stream:
-            return _reply(stream)
+        yield sock
+
+
+def _call(address: Address, request: dict[str, Any], *, timeout: float) -> dict[str, Any]:
+    """One request without payload, and its reply."""
+    with _asked(address, request, timeout) as sock, sock.makefile("rb") as stream:
+        return _reply(stream)
 
 
 def _reply(stream: IO[bytes]) -> dict[str, Any]:
@@ -119,8 +126,7 @@ def send_copy(address: Address, *, rank: int, run_id: str, step: int, directory:
         "step": step,
         "files": [{"name": f.path, "size": f.size, "xxh3": f.xxh3_64} for f in files],
     }
-    with socket.create_connection(address, timeout=SOCKET_TIMEOUT_S) as sock:
-        sock.sendall(json.dumps(request).encode() + b"\n")
+    with _asked(address, request) as sock:
         for item in files:
             with open(os.path.join(directory, item.path), "rb") as handle:
                 sent = sock.sendfile(handle, 0, item.size)
@@ -223,17 +229,15 @@ def _get(address: Address, run_id: str, step: int, name: str, copy: IO[bytes]) -
     """Stream one file from a server into ``copy``, hashing it on the way; its checksum and size."""
     request = {"op": "get", "run_id": run_id, "step": step, "name": name}
     digest = xxhash.xxh3_64()
-    with socket.create_connection(address, timeout=SOCKET_TIMEOUT_S) as sock:
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        with sock.makefile("rb") as stream:
-            left = int(_reply(stream)["size"])
-            while left:
-                chunk = stream.read(min(left, _CHUNK))
-                if not chunk:
-                    raise ConnectionError("the peer-copy server closed the connection mid-file")
-                digest.update(chunk)
-                copy.write(chunk)
-                left -= len(chunk)
+    with _asked(address, request) as sock, sock.makefile("rb") as stream:
+        left = int(_reply(stream)["size"])
+        while left:
+            chunk = stream.read(min(left, _CHUNK))
+            if not chunk:
+                raise ConnectionError("the peer-copy server closed the connection mid-file")
+            digest.update(chunk)
+            copy.write(chunk)
+            left -= len(chunk)
     return digest.hexdigest(), copy.tell()
 
 
