@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LIVE_DIR = ".live"
+_SAID_OFF = threading.Event()  # this process said that survivor saves are off
 
 
 @dataclass(frozen=True)
@@ -374,7 +375,8 @@ class SessionPeerLoss:
             return
         if manager.local_shared:
             self.watch = PeerLossWatch(manager, config, self._boundary, on_notice=self._notice)
-        elif self._is_main:
+        elif self._is_main and not _SAID_OFF.is_set():  # once a process: a restart in place has the same tiers
+            _SAID_OFF.set()
             log.warning("survivor saves need a local tier every rank sees (local_shared): they are off for this run")
 
     def at_boundary(self, step: int) -> None:

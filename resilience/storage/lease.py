@@ -119,9 +119,8 @@ class Lease:
             return True
         if holder.run_id is not None and holder.run_id == self.owner.run_id:
             # a relaunch of the same run: the normal way back after any stop, not a warning
-            log.info(
-                "durable_url %s: taking over from an earlier process of this run (%s)", self.tier.url, holder.describe()
-            )
+            earlier = "this process's previous generation" if holder.is_me() else "an earlier process of this run"
+            log.info("durable_url %s: taking over from %s (%s)", self.tier.url, earlier, holder.describe())
             return True
         alive = holder.alive_here()
         if alive is None:
