@@ -17,7 +17,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from typing_extensions import override
 
 from lightning_resilience.checkpoint_io import ResilientCheckpointIO
 from resilience.formats.names import FILE
@@ -36,6 +35,8 @@ class EveryRankSaves:
     description: str  # what Lightning's strategy registry lists
     _checkpoint_io: Any
     lightning_module: pl.LightningModule | None
+    cluster_environment: Any
+    num_processes: int
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -56,6 +57,15 @@ class EveryRankSaves:
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher; the ranks it starts from this process fork their helper processes from this
+        one's fork server, which is up by their first save; theirs would not be."""
+        super()._configure_launcher()  # type: ignore[misc]
+        environment = self.cluster_environment
+        starts_ranks = environment is not None and not environment.creates_processes_externally
+        if starts_ranks and self.num_processes > 1 and self.checkpoint_io.config.persist == "process":
+            share_server()
 
     def connect(self, model: pl.LightningModule) -> None:
         """Lightning's connect (the model's Trainer is attached by now), then the plugin learns that Trainer."""
@@ -88,16 +98,6 @@ class ResilientDDPStrategy(EveryRankSaves, DDPStrategy):
                 "SLURM): spawn-based launchers save on rank 0 only to hand weights back to the parent process"
             )
         super().__init__(*args, **kwargs)
-
-    @override
-    def _configure_launcher(self) -> None:
-        """Lightning's launcher; the ranks it starts from this process (``start_method="popen"``) fork their
-        helper processes from this one's fork server, which is up by their first save; theirs would not be."""
-        super()._configure_launcher()
-        environment = self.cluster_environment
-        starts_ranks = environment is not None and not environment.creates_processes_externally
-        if starts_ranks and self.num_processes > 1 and self.checkpoint_io.config.persist == "process":
-            share_server()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

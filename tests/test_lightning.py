@@ -24,7 +24,13 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from examples.demo_model import DemoModel, Points
-from lightning_resilience import AutoResume, PeriodicCheckpoint, ResilientCheckpointIO, ResilientDDPStrategy
+from lightning_resilience import (
+    AutoResume,
+    PeriodicCheckpoint,
+    ResilientCheckpointIO,
+    ResilientDDPStrategy,
+    ResilientModelParallelStrategy,
+)
 from resilience.cli import main as resilience_cli
 from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
@@ -177,8 +183,9 @@ def test_a_resume_at_an_epoch_end_replays_only_the_seeds_the_saved_run_drew(tmp_
         assert torch.equal(value, params[key]), f"{key} differs from the uninterrupted run"
 
 
+@pytest.mark.parametrize("strategy_class", [ResilientDDPStrategy, ResilientModelParallelStrategy])
 def test_the_ranks_lightning_starts_share_the_first_ranks_fork_server(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy_class: type
 ) -> None:
     # Lightning's launcher copies this process's environment to the ranks it starts (see test_helper_call.py for
     # how they use the server); under torchrun or SLURM (LOCAL_RANK set) every rank is started apart, with its own.
@@ -189,7 +196,8 @@ def test_the_ranks_lightning_starts_share_the_first_ranks_fork_server(
 
     def configured(cluster_environment: LightningEnvironment, parallel_devices: list[torch.device]) -> str:
         os.environ[SHARE_VARIABLE] = ""
-        strategy = ResilientDDPStrategy(cluster_environment=cluster_environment, checkpoint_io=io)
+        strategy = strategy_class(checkpoint_io=io)
+        strategy.cluster_environment = cluster_environment
         strategy.parallel_devices = parallel_devices
         strategy._configure_launcher()
         return os.environ[SHARE_VARIABLE]
