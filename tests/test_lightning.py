@@ -318,7 +318,8 @@ def test_ddp_callbacks_that_differ_per_rank_save_and_come_back_as_the_leading_ra
     [
         # a killed rank's survivor save: also test_survivors.py and under accelerate launch
         ("kill", ["--step-sleep", "0.1"]),
-        ("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"]),
+        # a stopped rank, found by the hang watchdog: also test_survivors.py (the engine's same path)
+        pytest.param("stop", ["--health", "--hang-min-s", "4", "--step-sleep", "0.1"], marks=pytest.mark.slow),
     ],
     ids=["kill-9-mid-step", "sigstop-mid-step"],
 )
