@@ -119,8 +119,9 @@ def _assert_own_server(rank: subprocess.Popen[str], not_from: set[int]) -> None:
 def _published_for_children_of_this_process() -> Path:
     """Where the first rank of the processes this one starts publishes its server (read on disk, as a launcher
     would see it: its pid and start time)."""
-    name = f"server-{os.getpid()}-{process_start_ticks(os.getpid())}.json"
-    return Path(tempfile.gettempdir(), f"resilience-{os.getuid()}", name)
+    folder = Path(tempfile.gettempdir(), f"resilience-{os.getuid()}")
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / f"server-{os.getpid()}-{process_start_ticks(os.getpid())}.json"
 
 
 def _wait_gone(pid: int) -> None:

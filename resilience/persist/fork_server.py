@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Self
+from typing import Any, TypeVar
 
 import torch
 
@@ -62,6 +62,8 @@ SHARE_VARIABLE = "RESILIENCE_HELPER_SERVER"
 # How long a rank waits, the first time, for the first rank of its node to publish its server (SiblingServer):
 # the ranks make their plugins at about the same moment, and are in step at their first collective anyway.
 SIBLING_WAIT_S = 3.0
+
+Shared = TypeVar("Shared", bound="InheritedServer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +131,8 @@ class ForkServer:
         self.share = json.dumps(asdict(shared))  # what share_server() tells the processes started, and siblings
         self.published = published
         if published is not None:
-            sibling_file.publish(published, self.share)
+            with contextlib.suppress(OSError):  # the other ranks then start servers of their own, as without it
+                sibling_file.publish(published, self.share)
 
     @classmethod
     def get(cls, *, early: bool = False) -> ForkServer | InheritedServer:
@@ -203,7 +206,7 @@ class InheritedServer:
     wanted: bool = False
 
     @classmethod
-    def parse(cls, text: str | None) -> Self | None:
+    def parse(cls: type[Shared], text: str | None) -> Shared | None:
         """The server ``text`` describes (:attr:`ForkServer.share`), if it runs this process's code and is alive."""
         try:
             server = cls(**json.loads(text or "null"))
