@@ -57,8 +57,8 @@ def test_the_ranks_accelerate_launch_starts_share_one_server_and_keep_their_help
     assert second["settings_of"] == second["pid"] and second["helper_cwd"] == str(out / "work1"), second
     for rank in (0, 1):
         assert (out / f"work{rank}" / "stdout").read_text() == f"a helper of rank {rank}\n"
-    helper, parent_at_the_end = after["held"]
-    assert helper != shared and parent_at_the_end != shared  # it ran on after rank 0 and its server were gone
+    forked_by, parent_at_the_end = after["held"]
+    assert forked_by == shared != parent_at_the_end  # it ran on after rank 0 and its server were gone
     assert after["forked_by"] == after["own_server"] not in (shared, -1), after  # then a server of rank 1's own
     assert not os.path.exists(second["published"])  # rank 0's server removed its file as it ended
 

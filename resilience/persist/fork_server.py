@@ -45,7 +45,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from resilience.dist import first_process_of_node
 from resilience.errors import CheckpointError, describe
 from resilience.health.signals import STOP_SIGNALS
 from resilience.persist import sibling_file
@@ -152,7 +151,7 @@ class ForkServer:
         path = sibling_file.sibling_path()
         if path is None:
             return cls()
-        if first_process_of_node():
+        if sibling_file.first_sibling():
             return cls(published=path)
         wait_s = 0.0 if cls._looked_for_sibling else SIBLING_WAIT_S
         cls._looked_for_sibling = True

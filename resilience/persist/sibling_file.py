@@ -37,6 +37,12 @@ def sibling_path() -> str | None:
     return os.path.join(folder, f"server-{launcher}-{ticks}.json")
 
 
+def first_sibling() -> bool:
+    """Whether this is the first of the ranks its launcher started on this node (``LOCAL_RANK`` 0), which
+    publishes its server. Not ``SLURM_LOCALID``: that numbers the launchers SLURM started, not their ranks."""
+    return os.environ.get("LOCAL_RANK", "0") in ("", "0")
+
+
 def publish(path: str, text: str) -> None:
     """Write ``text`` to ``path``, whole: a reader sees the old file, the new one or none, never a part."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".server-")  # mode 0600

@@ -21,11 +21,12 @@ from typing import Any
 
 
 def held(folder: str) -> tuple[int, int]:
-    """Run in a helper: say so (``holding``), wait for ``release``; then this helper's pid and its parent's."""
+    """Run in a helper: say so (``holding``), wait for ``release``; the helper's parent then, and at the start."""
+    forked_by = os.getppid()
     Path(folder, "holding").touch()
     while not os.path.exists(os.path.join(folder, "release")):
         time.sleep(0.02)
-    return os.getpid(), os.getppid()
+    return forked_by, os.getppid()
 
 
 def wait_for(ready: Any, what: str) -> None:
