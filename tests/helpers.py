@@ -166,6 +166,14 @@ def kill_job(proc: subprocess.Popen[str]) -> None:
     proc.wait()
 
 
+def accelerate_launch(script: Path, *args: str, flags: Sequence[str] = ()) -> list[str]:
+    """The command of a 2-process ``accelerate launch --multi_gpu`` job on this host (CPU ranks: the scripts make
+    ``Accelerator(cpu=True)``), on a free port."""
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
+    command += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return [*command, "--main_process_port", str(free_port()), *flags, str(script), *args]
+
+
 def elastic_node(
     port: int, node: int, rdzv_id: str, nproc: int, script: Path, *args: str, static: bool = False
 ) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from resilience.goodput import summarize
-from tests.helpers import S3_ENV, WORKERS, MotoServer, base_env, free_port, kill_job
+from tests.helpers import S3_ENV, WORKERS, MotoServer, accelerate_launch, base_env, kill_job
 
 WORKER = WORKERS / "accelerate_train.py"
 LAUNCH_TIMEOUT_S = 240
@@ -41,26 +40,7 @@ def job_env(tmp: Path, **settings: str) -> dict[str, str]:
 
 def start(out: Path, env: dict[str, str], *flags: str) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.accelerate_cli",
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        *flags,
-        str(WORKER),
-        str(out),
-    ]
+    command = accelerate_launch(WORKER, str(out), flags=flags)
     with (out / "launch.log").open("w") as log:
         return subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True

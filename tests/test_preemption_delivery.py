@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from resilience.cli import main as resilience_cli
-from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_job
+from tests.helpers import ROOT, WORKERS, accelerate_launch, base_env, free_port, kill_job
 
 LIGHTNING = WORKERS / "lightning_train.py"
 ACCELERATE = WORKERS / "accelerate_train.py"
@@ -165,10 +165,7 @@ def start_accelerate(tmp: Path, root: Path, **settings: str) -> tuple[subprocess
     out.mkdir(exist_ok=True)
     env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
     env.update(HF_HOME=str(tmp / "hf-home"), ACCELERATE_RESILIENCE_LOCAL_ROOT=str(root), **settings)
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
-    command += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += ["--main_process_port", str(free_port()), str(ACCELERATE), str(out)]
-    return start_job(command, out / "launch.log", env), out / "launch.log"
+    return start_job(accelerate_launch(ACCELERATE, str(out)), out / "launch.log", env), out / "launch.log"
 
 
 def test_accelerate_launch_commits_the_agreed_step_when_every_process_is_signalled(tmp_path: Path) -> None:

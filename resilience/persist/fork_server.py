@@ -12,12 +12,14 @@ it is told to stop, so they ignore those signals (:data:`STOP_SIGNALS`, from bef
 end with their training process instead: a helper exits when its connection closes, the fork server when its
 keep-alive pipe does, and a SIGKILL at the end of the grace ends them all.
 
-The ranks Lightning starts from the first rank of a node use that rank's server (:func:`share_server`,
-:class:`InheritedServer`): each is a fresh interpreter whose own server would be up only seconds after its first
-save asked for a helper, on the cores the ranks set up on; the first rank's server, started when its plugin was
-made, is up by then. A helper forked for another process takes that process's settings, and ends with that
-process; should the shared server end first (its process did), the next helper comes from a server of the
-rank's own.
+The other ranks of a node use the first rank's server: those Lightning starts from that rank through their
+environment (:func:`share_server`, :class:`InheritedServer`), those a launcher starts beside it (torchrun,
+``accelerate launch``, ``resilience launch``) through a file (:class:`SiblingServer`). Each rank is a fresh
+interpreter whose own server would import torch on the cores the ranks set up on, and be up only seconds after
+its first save asked for a helper; one server is up sooner. A helper forked for another process takes that
+process's settings, and ends with that process, not with the server's: a rank killed takes no other rank's
+helper with it (a launcher's stop signal to its process group, where such helpers are, is ignored as above).
+Should the shared server end first (its process did), the next helper comes from a server of the rank's own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,33 +41,44 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from resilience.errors import CheckpointError, describe
 from resilience.health.signals import STOP_SIGNALS
+from resilience.persist import sibling_file
 from resilience.persist.helper_process import pickled_error, serve_pipeline
+from resilience.storage.processes import process_parent, process_start_ticks
 
 # What a client sends the fork server first: which kind of helper it connects to.
 PIPELINE, CALL = b"pipeline", b"call"
+OUTPUT = (1, 2)  # the file descriptors a helper writes to as its training process does: stdout and stderr
 
 CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
 # Where a process's fork server is, for the ranks it starts (share_server): JSON, see InheritedServer's fields.
 SHARE_VARIABLE = "RESILIENCE_HELPER_SERVER"
+# How long a rank waits, the first time, for the first rank of its node to publish its server (SiblingServer):
+# the ranks make their plugins at about the same moment, and are in step at their first collective anyway.
+SIBLING_WAIT_S = 3.0
+
+Shared = TypeVar("Shared", bound="InheritedServer")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Inherited:
     """What a forked helper takes on from its training process as of its request (the fork server's own are from
     its start, or another process's): environment, working directory (relative paths, such as a ``file://``
-    durable URL, mean what they mean there), pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``."""
+    durable URL, mean what they mean there), the CPUs it may run on (a launcher binds each rank to the cores near
+    its GPU), pid, log level and the modules of ``RESILIENCE_HELPER_PRELOAD``; its stdout and stderr come with
+    the connection (:func:`_dial`)."""
 
     log_level: int
     preload: tuple[str, ...] = ()
     environ: dict[str, str] = field(default_factory=dict)
     parent_pid: int = 0
     cwd: str = field(default_factory=os.getcwd)
+    cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True)
@@ -87,8 +101,10 @@ class ForkServer:
 
     _instance: ForkServer | InheritedServer | None = None
     _guard = threading.Lock()
+    _looked_for_sibling = False
 
-    def __init__(self) -> None:
+    def __init__(self, published: str | None = None) -> None:
+        """``published``: the file that tells this node's other ranks about it (:mod:`sibling_file`), if any."""
         self.folder = tempfile.mkdtemp(prefix="resilience-helpers-")
         self.address = os.path.join(self.folder, "socket")
         self.authkey = os.urandom(16)
@@ -100,7 +116,7 @@ class ForkServer:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "resilience.persist.fork_server", self.address, str(read)],
+                [sys.executable, "-m", "resilience.persist.fork_server", self.address, str(read), published or ""],
                 pass_fds=(read,),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -109,8 +125,13 @@ class ForkServer:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(read)
         self.wanted = False  # by more than start_server_early(): a helper was or is being forked from it
-        shared = InheritedServer(os.getpid(), self.process.pid, self.address, self.authkey.hex(), _code())
-        self.share = json.dumps(asdict(shared))  # what share_server() tells the processes started
+        owner, owner_start = os.getpid(), process_start_ticks(os.getpid()) or 0
+        shared = InheritedServer(owner, self.process.pid, self.address, self.authkey.hex(), _code(), owner_start)
+        self.share = json.dumps(asdict(shared))  # what share_server() tells the processes started, and siblings
+        self.published = published
+        if published is not None:
+            with contextlib.suppress(OSError):  # the other ranks then start servers of their own, as without it
+                sibling_file.publish(published, self.share)
 
     @classmethod
     def get(cls, *, early: bool = False) -> ForkServer | InheritedServer:
@@ -118,14 +139,30 @@ class ForkServer:
         else a new one."""
         with cls._guard:
             if cls._instance is None or not cls._instance.alive():
-                cls._instance = InheritedServer.from_environment() or cls()
+                cls._instance = InheritedServer.parse(os.environ.get(SHARE_VARIABLE)) or cls._of_node()
             cls._instance.wanted |= not early
             return cls._instance
+
+    @classmethod
+    def _of_node(cls) -> ForkServer | SiblingServer:
+        """Under a launcher that starts every rank of a node (:func:`~sibling_file.sibling_path`), the first rank's
+        server (published for the others; they wait for it a little, the first time), else one of this process's
+        own."""
+        path = sibling_file.sibling_path()
+        if path is None:
+            return cls()
+        if sibling_file.first_sibling():
+            return cls(published=path)
+        wait_s = 0.0 if cls._looked_for_sibling else SIBLING_WAIT_S
+        cls._looked_for_sibling = True
+        return SiblingServer.find(path, wait_s) or cls()
 
     def stop(self) -> None:
         """End the server at once, while it has forked nothing (it may still be importing torch)."""
         if os.environ.get(SHARE_VARIABLE) == self.share:
             del os.environ[SHARE_VARIABLE]
+        if self.published is not None:
+            sibling_file.remove(self.published, self.address)
         self.process.kill()
         self.process.wait()
         os.close(self._keepalive)
@@ -164,12 +201,14 @@ class InheritedServer:
     address: str
     authkey: str  # hex
     code: str  # the interpreter and the engine's folder (_code)
+    owner_start: int = 0  # the owner's start time (process_start_ticks)
     wanted: bool = False
 
     @classmethod
-    def from_environment(cls) -> InheritedServer | None:
+    def parse(cls: type[Shared], text: str | None) -> Shared | None:
+        """The server ``text`` describes (:attr:`ForkServer.share`), if it runs this process's code and is alive."""
         try:
-            server = cls(**json.loads(os.environ.get(SHARE_VARIABLE) or "null"))
+            server = cls(**json.loads(text or "null"))
         except (TypeError, ValueError):
             return None
         return server if server.code == _code() and server.alive() else None
@@ -177,13 +216,7 @@ class InheritedServer:
     def alive(self) -> bool:
         """While the parent that started the server runs (else this process has another parent now), and the
         server too (not a zombie its parent has not reaped yet)."""
-        if os.getppid() != self.owner:
-            return False
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as stat:
-                return stat.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
-        except (OSError, IndexError):
-            return False
+        return os.getppid() == self.owner and process_start_ticks(self.pid) is not None
 
     def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
         """As :meth:`ForkServer.connect`; :class:`ServerGone` once the server has ended."""
@@ -196,7 +229,26 @@ class InheritedServer:
         return conn
 
     def stop(self) -> None:
-        """Nothing: the server is its parent's."""
+        """Nothing: the server is its owner's."""
+
+
+@dataclass
+class SiblingServer(InheritedServer):
+    """The fork server of the first rank of this node, where a launcher started every rank of it
+    (:mod:`~resilience.persist.sibling_file`). Only while the process that started it runs (the same process: its
+    start time) and is a sibling of this one, and the server too."""
+
+    @classmethod
+    def find(cls, path: str, wait_s: float) -> SiblingServer | None:
+        """The server published at ``path``, waiting up to ``wait_s`` for one to be."""
+        deadline = time.monotonic() + wait_s
+        while (server := cls.parse(sibling_file.read(path))) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return server
+
+    def alive(self) -> bool:
+        owner_runs = process_start_ticks(self.owner) == self.owner_start and process_parent(self.owner) == os.getppid()
+        return owner_runs and process_start_ticks(self.pid) is not None
 
 
 def connect(kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
@@ -213,17 +265,28 @@ def _code() -> str:
 
 
 def _dial(address: str, authkey: bytes, kind: bytes) -> Connection | None:
-    """A connection to the server listening at ``address``, asking for a helper of ``kind``; None while none is."""
+    """A connection to the server listening at ``address``, asking for a helper of ``kind``, which is handed this
+    process's stdout and stderr (a launcher may give each rank files of its own); None while no server listens."""
     try:
         conn = Client(address, family="AF_UNIX", authkey=authkey)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
     try:
         conn.send_bytes(kind)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+            socket.send_fds(sock, [b"o"], [fd for fd in OUTPUT if _is_open(fd)])
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def _check_deadline(deadline: float, timeout_s: float) -> None:
@@ -271,8 +334,9 @@ def _ignore_stop_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
-def _serve(address: str, keepalive_fd: int) -> None:
-    """The fork server: fork a helper for every connection, until the training process goes away."""
+def _serve(address: str, keepalive_fd: int, published: str) -> None:
+    """The fork server: fork a helper for every connection, until the training process goes away; then it
+    removes its socket's folder and the file that ``published`` it to its owner's sibling ranks, if any."""
     _ignore_stop_signals()
     warmed = False
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
@@ -285,6 +349,8 @@ def _serve(address: str, keepalive_fd: int) -> None:
             if key.data == "parent":  # EOF: the training process is gone; its helpers see it themselves
                 listener.close()
                 shutil.rmtree(os.path.dirname(address), ignore_errors=True)  # the socket's private folder
+                if published:
+                    sibling_file.remove(published, address)
                 return
             conn = listener.accept()
             try:
@@ -306,6 +372,7 @@ def _helper(conn: Connection, keepalive_fd: int) -> None:
     """A forked helper: it runs what its first message says, and exits."""
     os.close(keepalive_fd)  # the server's owner: a helper ends with its own training process, its connection's end
     try:
+        _take_output(conn)
         first = conn.recv()
         _become(first)
         if isinstance(first, Call):
@@ -315,6 +382,17 @@ def _helper(conn: Connection, keepalive_fd: int) -> None:
             serve_pipeline(conn, first)
     finally:
         os._exit(0)
+
+
+def _take_output(conn: Connection) -> None:
+    """Write where the training process writes (:func:`_dial`), not where the server's owner does."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
+        received = socket.recv_fds(sock, 1, len(OUTPUT))[1]
+    if len(received) == len(OUTPUT):  # else one of them was closed there: the server's stay
+        for target, fd in zip(OUTPUT, received, strict=True):
+            os.dup2(fd, target)
+    for fd in received:
+        os.close(fd)
 
 
 def _import_once_for_all_helpers() -> None:
@@ -356,6 +434,8 @@ def _become(origin: Inherited) -> None:
     os.environ.update(origin.environ, RESILIENCE_HELPER_PARENT_PID=str(origin.parent_pid))
     with contextlib.suppress(OSError):  # gone since: the training process's relative paths fail there too
         os.chdir(origin.cwd)
+    with contextlib.suppress(OSError, ValueError):  # none of them left to this process (its cgroup changed)
+        os.sched_setaffinity(0, origin.cpus)
     logging.basicConfig(level=origin.log_level, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     for module in origin.preload:  # instrumentation of the helper: tracing, profiling, fault drills
@@ -376,7 +456,7 @@ if __name__ == "__main__":
     # as resilience.persist.fork_server's classes, and a helper tells a Call from a pipeline's settings by class.
     import resilience.persist.fork_server
 
-    resilience.persist.fork_server._serve(sys.argv[1], int(sys.argv[2]))
+    resilience.persist.fork_server._serve(sys.argv[1], int(sys.argv[2]), sys.argv[3])
     # Its training process is gone. The interpreter's teardown would collect a heap with torch in it (0.4 s of
     # CPU here) while the server still holds the training process's stdout and stderr: whoever reads them to
     # the end (`| tee`, a CI runner, subprocess.run(capture_output=True)) would wait for it. Nothing of the
