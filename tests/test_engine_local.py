@@ -20,7 +20,7 @@ from resilience import (
     CheckpointManager,
     NoCheckpointError,
 )
-from resilience.checkpoint import shm
+from resilience.checkpoint import shm, staging_area
 from resilience.checkpoint.staging import SEGMENTS
 from resilience.cli import main as cli
 from resilience.persist.pipeline import Pipeline
@@ -146,11 +146,11 @@ def test_host_buffers_are_reused_across_saves(tmp_path: Path) -> None:
     with manager(tmp_path, keep_last=2) as m:
         m.save(1, make_state(1))
         m.wait()
-        buffers = {k: v.data_ptr() for k, v in m._staging_area.stager._buffers.items()}
+        buffers = {k: v.data_ptr() for k, v in m._staging_area.sets[0].stager._buffers.items()}
         for step in range(2, 6):
             m.save(step, make_state(step))
             m.wait()
-        assert {k: v.data_ptr() for k, v in m._staging_area.stager._buffers.items()} == buffers
+        assert {k: v.data_ptr() for k, v in m._staging_area.sets[0].stager._buffers.items()} == buffers
 
 
 @pytest.mark.parametrize("numel", [1000, 300_000])
@@ -192,17 +192,42 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = gated_writer(monkeypatch)  # in this process: the persist path runs as threads here
-    with manager(tmp_path, when_busy="skip", persist="thread") as m:
+    with manager(tmp_path, when_busy="skip", persist="thread", keep_last=3) as m:
         assert m.save(1, make_state(1)) is not None
-        assert m.save(2, make_state(2)) is None
+        assert m.save(2, make_state(2)) is not None  # a small state: staged in a second set of buffers
+        assert m.save(3, make_state(3)) is None  # both sets held by saves not yet written
         gate.set()
         m.wait()
-        assert m.save(3, make_state(3)) is not None
+        assert m.save(4, make_state(4)) is not None
         assert m.stats.skipped == 1
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-3"]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-2", "step-4"]
 
 
-def test_busy_wait_policy_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_small_state_is_staged_beside_a_save_still_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Save 2 neither waits for save 1's commit nor copies into the buffers save 1 is still to be written from;
+    save 3 waits for save 1, the oldest (``when_busy="wait"``). Each step holds its own values."""
+    gate = gated_writer(monkeypatch)
+    with manager(tmp_path, when_busy="wait", persist="thread", keep_last=3) as m:
+        first = m.save(1, make_state(1))
+        second = m.save(2, make_state(2))
+        assert first is not None and second is not None and not first.committed.done()
+        assert m.stats.waited_for_previous == 0
+        threading.Timer(0.3, gate.set).start()
+        third = m.save(3, make_state(3))
+        assert first.committed.done(), "save 3 started before save 1 was committed"
+        assert third is not None and m.stats.waited_for_previous == 1
+        m.wait()
+    for step in (1, 2, 3):
+        with manager(tmp_path, keep_last=3) as m:
+            restored = m.load(step=step)
+        assert restored is not None and torch.equal(restored.state["model"]["w"], make_state(step)["model"]["w"])
+
+
+def test_a_large_state_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A state past SECOND_SET_BYTES gets one set of buffers (a second would double its host memory)."""
+    monkeypatch.setattr(staging_area, "SECOND_SET_BYTES", 1024)
     gate = gated_writer(monkeypatch)
     with manager(tmp_path, when_busy="wait", persist="thread") as m:
         first = m.save(1, make_state(1))
@@ -210,6 +235,7 @@ def test_busy_wait_policy_waits_for_the_previous_commit(tmp_path: Path, monkeypa
         second = m.save(2, make_state(2))
         assert first is not None and first.committed.done(), "save 2 started before save 1 was committed"
         assert second is not None and m.stats.waited_for_previous == 1
+        assert len(m._staging_area.sets) == 1
 
 
 @pytest.mark.parametrize("persist", ["process", "thread"])

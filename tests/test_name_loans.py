@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointManager
+from resilience.checkpoint import staging_area
 from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.errors import CheckpointError
 from resilience.formats.names import NameWriter, publish
@@ -63,8 +64,17 @@ def test_a_name_is_written_from_the_buffers_its_step_was_written_from(tmp_path: 
         assert not loaded["w"].any()
 
 
-@pytest.mark.parametrize("when_busy", ["wait", "skip"])
-def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(tmp_path: Path, when_busy: str) -> None:
+@pytest.mark.parametrize("when_busy", ["wait", "skip", "second-set"])
+def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when_busy: str
+) -> None:
+    """With one set of staging buffers (a large state), the next save waits for the loan, or is skipped; a small
+    state's next save goes to a second set at once. Either way the name gets the lent save's values."""
+    two_sets = when_busy == "second-set"
+    if two_sets:
+        when_busy = "wait"
+    else:
+        monkeypatch.setattr(staging_area, "SECOND_SET_BYTES", 1024)
     first = {"w": torch.randn(300, 100)}
     name = tmp_path / "out" / "step3.ckpt"
     config = CheckpointConfig(local_root=tmp_path / "ckpt", persist="thread", when_busy=when_busy)  # type: ignore[arg-type]
@@ -78,7 +88,11 @@ def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(tmp_p
         then = {"state_dict": {"w": first["w"] + 1}}
         saving = threading.Thread(target=lambda: second.append(manager.save(5, then, extra={"adapter": "lightning"})))
         saving.start()
-        if when_busy == "wait":
+        if two_sets:
+            saving.join()
+            assert second[0] is not None and manager.stats.waited_for_previous == 0
+            assert len(manager._staging_area.sets) == 2 and not written.done()
+        elif when_busy == "wait":
             saving.join(1.0)
             assert saving.is_alive(), "the next save copied into buffers lent to a name not yet written"
             assert not written.done()
@@ -89,7 +103,7 @@ def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(tmp_p
         written.result()
         saving.join()
         if when_busy == "wait":
-            assert second[0] is not None and manager.stats.waited_for_previous == 1
+            assert second[0] is not None and manager.stats.waited_for_previous == (0 if two_sets else 1)
             assert second[0].committed.result().step == 5
     assert torch.equal(torch.load(name, weights_only=True)["state_dict"]["w"], first["w"])
 

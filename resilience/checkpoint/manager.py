@@ -260,8 +260,8 @@ class CheckpointManager:
 
     def _agree(self, step: int, tree: SaveTree) -> Agreement:
         """Learn in one all-reduce what stops the save or makes it wait; raise on every rank alike."""
-        # busy: the previous save is not committed yet, or its buffers are still lent to a reader
-        busy = (self._inflight is not None and not self._inflight.committed.done()) or bool(self._staging_area.lent())
+        # busy: no set of staging buffers is free (an earlier save is not committed yet, or its buffers are lent)
+        busy = bool(self._staging_area.busy_with())
         errors = self.pipeline.take_errors()
         mine = Agreement.mine(error=bool(errors), busy=busy, alone=bool(tree.alone), digest=tree.digest)
         agreed = Agreement.from_reduced(self.groups.control.max(mine))
@@ -283,10 +283,7 @@ class CheckpointManager:
             self.stats.stall_s += time.monotonic() - t0
             return False
         self.stats.waited_for_previous += 1
-        previous: list[concurrent.futures.Future[Any]] = [loan.returned for loan in self._staging_area.lent()]
-        if self._inflight is not None:
-            previous.append(self._inflight.committed)
-        concurrent.futures.wait(previous)
+        concurrent.futures.wait(self._staging_area.busy_with())
         return True
 
     def _hand_off(

@@ -1,9 +1,13 @@
 """The host buffers one manager stages its saves into, and everything that may still hold them.
 
-Three things hold the buffers after a save returns: the copy into them, which may still be reading the live
+Three things hold a set of buffers after a save returns: the copy into them, which may still be reading the live
 state (the next state change waits for it: a barrier of hooks makes sure of that without the caller having to
-remember); the save's writer, which reads them; and readers they were lent to. The next save copies into the
-same buffers, so it waits for all three.
+remember); the save's writer, which reads them until the save is committed; and readers they were lent to. A save
+copies into a set none of them holds. One set is enough while each save commits before the next: a large state
+gets no other, since a second would double the host memory it takes. A small state (up to
+:data:`SECOND_SET_BYTES` on this rank) gets a second set when the first is still held, so that a save does not
+wait for the one before it to commit: in a small job the first saves are made before the helper process that
+writes them has started, and at a save every few steps a commit can take longer than those steps.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.tensor import DTensor
@@ -22,26 +27,67 @@ from resilience.checkpoint.staging import HostStager, Loan, StagingJob
 from resilience.checkpoint.updates import before_update
 from resilience.config import CheckpointConfig
 
+SECOND_SET_BYTES = 64 * 2**20  # a rank's state up to this size may be staged in a second set of buffers
+
+
+@dataclass
+class BufferSet:
+    """One set of buffers (one per checkpoint key), the save whose values it holds, and the loans of it."""
+
+    stager: HostStager
+    staged: tuple[SaveHandle, StagingJob] | None = None
+    loans: list[Loan] = field(default_factory=list)
+
+    def lent(self) -> list[Loan]:
+        return [loan for loan in self.loans if not loan.returned.done()]
+
+    def holders(self) -> list[concurrent.futures.Future[Any]]:
+        """What must end before another save may copy into this set: its save's commit (or failure), its loans."""
+        held: list[concurrent.futures.Future[Any]] = [loan.returned for loan in self.lent()]
+        if self.staged is not None and not self.staged[0].committed.done():
+            held.append(self.staged[0].committed)
+        return held
+
 
 class StagingArea:
-    """One manager's staging buffers, the copy in flight, the save they hold and the loans of them."""
+    """One manager's staging buffers (one set, or two for a small state), the copy in flight, the saves they hold
+    and the loans of them."""
 
     def __init__(self, config: CheckpointConfig):
         self.config = config
-        self.stager = HostStager(config.pin_memory, shared=config.persist == "process")
+        self.sets = [self._new_set()]
         self.pending: StagingJob | None = None  # a copy the next state change must wait for
         self.barrier_hooks: list[RemovableHandle] = []
-        self._staged: tuple[SaveHandle, StagingJob] | None = None  # the save whose values the buffers hold
-        self._loans: list[Loan] = []
 
-    def lent(self) -> list[Loan]:
-        return [loan for loan in self._loans if not loan.returned.done()]
+    def _new_set(self) -> BufferSet:
+        return BufferSet(HostStager(self.config.pin_memory, shared=self.config.persist == "process"))
+
+    def _small(self) -> bool:
+        return self.sets[0].stager.nbytes <= SECOND_SET_BYTES
+
+    def busy_with(self) -> list[concurrent.futures.Future[Any]]:
+        """Empty if a save may be staged now; else what it must wait for: the oldest save still held, and that
+        save's loans (its set is then free)."""
+        if any(not held.holders() for held in self.sets) or (len(self.sets) == 1 and self._small()):
+            return []
+        oldest = min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
+        return oldest.holders()
 
     def stage(self, handle: SaveHandle, tensors: dict[str, Any]) -> StagingJob:
-        """Copy ``tensors`` into the buffers for ``handle``'s save; every loan must be back (the save waited)."""
-        self._loans = []
-        staging = self.stager.stage(tensors, asynchronous=self.config.async_staging)
-        self._staged = (handle, staging)
+        """Copy ``tensors`` into a free set of buffers for ``handle``'s save (:meth:`busy_with` was waited for):
+        the first set if it is free, else the second (made the first time)."""
+        free = [held for held in self.sets if not held.holders()]
+        if free:
+            chosen = free[0]
+        elif len(self.sets) == 1 and self._small() and _nbytes(tensors) <= SECOND_SET_BYTES:
+            chosen = self._new_set()
+            self.sets.append(chosen)
+        else:  # a state grown past the second set's size, or a loan taken since busy_with(): wait here
+            chosen = min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
+            concurrent.futures.wait(chosen.holders())
+        chosen.loans = []
+        staging = chosen.stager.stage(tensors, asynchronous=self.config.async_staging)
+        chosen.staged = (handle, staging)
         if not self.config.async_staging:
             handle.staged.set_result(None)
         return staging
@@ -54,12 +100,13 @@ class StagingArea:
 
     def lend(self, handle: SaveHandle) -> Loan | None:
         """The plain tensors ``handle``'s save staged here, lent; None once the buffers hold a later save."""
-        if self._staged is None or self._staged[0] is not handle:
-            return None
-        tensors = {key: t for key, t in self._staged[1].staged.items() if not isinstance(t, DTensor)}
-        loan = Loan(tensors)
-        self._loans.append(loan)
-        return loan
+        for held in self.sets:
+            if held.staged is not None and held.staged[0] is handle:
+                staged = held.staged[1].staged
+                loan = Loan({key: t for key, t in staged.items() if not isinstance(t, DTensor)})
+                held.loans.append(loan)
+                return loan
+        return None
 
     def release(self) -> None:
         """Wait until the pending copy no longer reads the live state."""
@@ -91,9 +138,10 @@ class StagingArea:
 
     def close(self, timeout: float | None) -> None:
         """Free the buffers once their readers are done: a reader in another process maps them by name, which
-        closing the stager unlinks."""
-        concurrent.futures.wait([loan.returned for loan in self.lent()], timeout)
-        self.stager.close()
+        closing a stager unlinks."""
+        concurrent.futures.wait([loan.returned for held in self.sets for loan in held.lent()], timeout)
+        for held in self.sets:
+            held.stager.close()
 
     def abandon(self) -> None:
         """Let go of the live state at once (the copy into host memory is local: it ends); the buffers stay
@@ -103,3 +151,9 @@ class StagingArea:
                 self.pending.release_source()
             self.pending = None
         self.disarm_barrier()
+
+
+def _nbytes(tensors: dict[str, Any]) -> int:
+    """Bytes this rank stages of ``tensors`` (a DTensor's local shard)."""
+    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors.values()]
+    return sum(t.numel() * t.element_size() for t in local)
