@@ -265,7 +265,9 @@ def test_sigkill_and_relaunch_show_in_the_ledger_with_lost_progress(
 
 
 def test_auto_interval_is_young_daly_from_the_measured_costs(tmp_path: Path) -> None:
-    mtbf_s = 0.5  # with a save of about SAVE_S: an interval of about sqrt(2 * 0.1 * 0.5) = 0.3 s, a few steps
+    # with a save of about SAVE_S: an interval of about sqrt(2 * 0.1 * 0.1) = 0.14 s, a few steps; a save blocking
+    # 1 s on a loaded machine still leaves room for 3 saves in the 30 steps
+    mtbf_s = 0.1
     tracker = ListTracker()
     job = new_job(tracker=tracker)
     job.accelerator.register_for_checkpointing(SlowState())

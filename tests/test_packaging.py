@@ -68,8 +68,12 @@ def test_the_example_lightning_cli_config_builds_the_pack(tmp_path: Path, monkey
 
     from examples.demo_model import DemoData, DemoModel
     from lightning_resilience import AutoResume, ResilientCheckpointIO, ResilientDDPStrategy
+    from resilience.persist.fork_server import SHARE_VARIABLE
 
     monkeypatch.chdir(tmp_path)  # the config's paths are relative to where it runs
+    # its 2 devices make the strategy share this process's fork server with the ranks Lightning would start:
+    # through this variable, unset again after (later tests' processes are nobody's ranks)
+    monkeypatch.setenv(SHARE_VARIABLE, "")
     cli = LightningCLI(DemoModel, DemoData, run=False, args=["--config", str(ROOT / "examples" / "lightning_cli.yaml")])
     assert isinstance(cli.trainer.strategy, ResilientDDPStrategy)
     assert isinstance(cli.trainer.strategy.checkpoint_io, ResilientCheckpointIO)

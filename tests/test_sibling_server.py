@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from resilience.persist.fork_server import ForkServer
+from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer
 from resilience.storage.processes import process_start_ticks
 from tests.helpers import WORKERS, accelerate_launch, base_env, kill_job
 
@@ -94,6 +94,7 @@ def test_a_rank_takes_no_server_of_a_process_that_is_not_its_sibling(tmp_path: P
 def _rank(local_rank: int, cwd: Path) -> subprocess.Popen[str]:
     """A rank of a node of two, started by this process (the launcher of its siblings), in a session of its own."""
     env = base_env({"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": "2"})
+    env.pop(SHARE_VARIABLE, None)  # a server this test's process shared (a Trainer made here did) is not a sibling's
     command = [sys.executable, "-c", RANK]
     return subprocess.Popen(
         command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
