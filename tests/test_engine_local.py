@@ -191,6 +191,7 @@ def gated_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging_area, "MAX_SETS", 2)
     gate = gated_writer(monkeypatch)  # in this process: the persist path runs as threads here
     with manager(tmp_path, when_busy="skip", persist="thread", keep_last=3) as m:
         assert m.save(1, make_state(1)) is not None
@@ -203,31 +204,31 @@ def test_busy_skip_policy_skips_and_counts(tmp_path: Path, monkeypatch: pytest.M
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-1", "step-2", "step-4"]
 
 
-def test_a_small_state_is_staged_beside_a_save_still_being_written(
+def test_a_small_state_is_staged_beside_saves_still_being_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Save 2 neither waits for save 1's commit nor copies into the buffers save 1 is still to be written from;
-    save 3 waits for save 1, the oldest (``when_busy="wait"``). Each step holds its own values."""
+    """Up to MAX_SETS saves of a small state are staged while none is written yet, each in buffers of its own,
+    none waiting; the next waits for the oldest (``when_busy="wait"``). Each step holds its own values."""
     gate = gated_writer(monkeypatch)
-    with manager(tmp_path, when_busy="wait", persist="thread", keep_last=3) as m:
-        first = m.save(1, make_state(1))
-        second = m.save(2, make_state(2))
-        assert first is not None and second is not None and not first.committed.done()
-        assert m.stats.waited_for_previous == 0
+    many = staging_area.MAX_SETS
+    with manager(tmp_path, when_busy="wait", persist="thread", keep_last=many + 1) as m:
+        handles = [m.save(step, make_state(step)) for step in range(1, many + 1)]
+        assert not any(h is None or h.committed.done() for h in handles)
+        assert m.stats.waited_for_previous == 0 and len(m._staging_area.sets) == many
         threading.Timer(0.3, gate.set).start()
-        third = m.save(3, make_state(3))
-        assert first.committed.done(), "save 3 started before save 1 was committed"
-        assert third is not None and m.stats.waited_for_previous == 1
+        last = m.save(many + 1, make_state(many + 1))
+        assert handles[0] is not None and handles[0].committed.done(), "a save copied into buffers still unwritten"
+        assert last is not None and m.stats.waited_for_previous == 1
         m.wait()
-    for step in (1, 2, 3):
-        with manager(tmp_path, keep_last=3) as m:
+    with manager(tmp_path, keep_last=many + 1) as m:
+        for step in range(1, many + 2):
             restored = m.load(step=step)
-        assert restored is not None and torch.equal(restored.state["model"]["w"], make_state(step)["model"]["w"])
+            assert restored is not None and torch.equal(restored.state["model"]["w"], make_state(step)["model"]["w"])
 
 
 def test_a_large_state_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A state past SECOND_SET_BYTES gets one set of buffers (a second would double its host memory)."""
-    monkeypatch.setattr(staging_area, "SECOND_SET_BYTES", 1024)
+    """A state past SETS_BYTES gets one set of buffers (a second would double its host memory)."""
+    monkeypatch.setattr(staging_area, "SETS_BYTES", 1024)
     gate = gated_writer(monkeypatch)
     with manager(tmp_path, when_busy="wait", persist="thread") as m:
         first = m.save(1, make_state(1))

@@ -74,7 +74,7 @@ def test_the_next_save_leaves_lent_buffers_alone_until_the_name_is_written(
     if two_sets:
         when_busy = "wait"
     else:
-        monkeypatch.setattr(staging_area, "SECOND_SET_BYTES", 1024)
+        monkeypatch.setattr(staging_area, "SETS_BYTES", 1024)
     first = {"w": torch.randn(300, 100)}
     name = tmp_path / "out" / "step3.ckpt"
     config = CheckpointConfig(local_root=tmp_path / "ckpt", persist="thread", when_busy=when_busy)  # type: ignore[arg-type]

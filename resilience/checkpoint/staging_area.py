@@ -3,11 +3,11 @@
 Three things hold a set of buffers after a save returns: the copy into them, which may still be reading the live
 state (the next state change waits for it: a barrier of hooks makes sure of that without the caller having to
 remember); the save's writer, which reads them until the save is committed; and readers they were lent to. A save
-copies into a set none of them holds. One set is enough while each save commits before the next: a large state
-gets no other, since a second would double the host memory it takes. A small state (up to
-:data:`SECOND_SET_BYTES` on this rank) gets a second set when the first is still held, so that a save does not
-wait for the one before it to commit: in a small job the first saves are made before the helper process that
-writes them has started, and at a save every few steps a commit can take longer than those steps.
+copies into a set none of them holds. One set is enough while each save commits before the next, and a large
+state gets no other: a second would double the host memory it takes. A small state gets more sets when those it
+has are held (up to :data:`MAX_SETS`, while they come to at most :data:`SETS_BYTES`), so that a save does not wait
+for the ones before it to commit: in a small job the first saves are made before the helper process that writes
+them has started, and at a save every few steps a commit can take longer than those steps.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from resilience.checkpoint.staging import HostStager, Loan, StagingJob
 from resilience.checkpoint.updates import before_update
 from resilience.config import CheckpointConfig
 
-SECOND_SET_BYTES = 64 * 2**20  # a rank's state up to this size may be staged in a second set of buffers
+SETS_BYTES = 64 * 2**20  # another set of buffers is made only while the sets a rank has hold at most this much
+MAX_SETS = 8  # saves a small state may have staged at once, not yet committed
 
 
 @dataclass
@@ -50,7 +51,7 @@ class BufferSet:
 
 
 class StagingArea:
-    """One manager's staging buffers (one set, or two for a small state), the copy in flight, the saves they hold
+    """One manager's staging buffers (one set, or more for a small state), the copy in flight, the saves they hold
     and the loans of them."""
 
     def __init__(self, config: CheckpointConfig):
@@ -62,28 +63,31 @@ class StagingArea:
     def _new_set(self) -> BufferSet:
         return BufferSet(HostStager(self.config.pin_memory, shared=self.config.persist == "process"))
 
-    def _small(self) -> bool:
-        return self.sets[0].stager.nbytes <= SECOND_SET_BYTES
+    def _may_add(self, nbytes: int) -> bool:
+        """Whether another set may be made for a state of ``nbytes`` on this rank."""
+        return len(self.sets) < MAX_SETS and len(self.sets) * nbytes <= SETS_BYTES
+
+    def _oldest(self) -> BufferSet:
+        return min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
 
     def busy_with(self) -> list[concurrent.futures.Future[Any]]:
         """Empty if a save may be staged now; else what it must wait for: the oldest save still held, and that
-        save's loans (its set is then free)."""
-        if any(not held.holders() for held in self.sets) or (len(self.sets) == 1 and self._small()):
+        save's loans (its set is then free). The size of the last state staged stands for the next one's."""
+        if any(not held.holders() for held in self.sets) or self._may_add(self.sets[0].stager.nbytes):
             return []
-        oldest = min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
-        return oldest.holders()
+        return self._oldest().holders()
 
     def stage(self, handle: SaveHandle, tensors: dict[str, Any]) -> StagingJob:
         """Copy ``tensors`` into a free set of buffers for ``handle``'s save (:meth:`busy_with` was waited for):
-        the first set if it is free, else the second (made the first time)."""
+        the first free one, else a new one if the state is small enough."""
         free = [held for held in self.sets if not held.holders()]
         if free:
             chosen = free[0]
-        elif len(self.sets) == 1 and self._small() and _nbytes(tensors) <= SECOND_SET_BYTES:
+        elif self._may_add(max(self.sets[0].stager.nbytes, _nbytes(tensors))):
             chosen = self._new_set()
             self.sets.append(chosen)
-        else:  # a state grown past the second set's size, or a loan taken since busy_with(): wait here
-            chosen = min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
+        else:  # a state grown past what busy_with() judged by, or a loan taken since: wait here
+            chosen = self._oldest()
             concurrent.futures.wait(chosen.holders())
         chosen.loans = []
         staging = chosen.stager.stage(tensors, asynchronous=self.config.async_staging)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from resilience import CheckpointConfig, CheckpointError, CheckpointManager, Restored
+from resilience.checkpoint import staging_area
 from resilience.persist.pipeline import Pipeline
 
 # Multiplies the rows of the two big tensors: TEST_STATE_SCALE=256 makes a checkpoint of about 2.6 MB.
@@ -117,6 +118,7 @@ def main() -> None:
             original(self, job)
 
         Pipeline._write = slow_write  # type: ignore[method-assign]
+        staging_area.MAX_SETS = 2  # a small state's two saves in flight hold every set of buffers
         with CheckpointManager(config(args, when_busy="skip", persist="thread")) as manager:
             first = manager.save(1, state_for(1, mesh))
             second = manager.save(2, state_for(2, mesh))  # a small state: its second set of buffers
