@@ -52,10 +52,15 @@ if [ ! -f "$VENV/.installed" ] || [ requirements/floors.txt -nt "$VENV/.installe
   # Built with the environment's own setuptools (84 here; pyproject.toml asks >=64), not a fresh download.
   install --no-build-isolation -c requirements/floors.txt "${floors[@]}" 'jsonargparse[signatures]' 'moto[server]' .
   touch "$VENV/.installed"
-elif "$VENV/bin/python" -c 'import s3fs' 2>/dev/null; then
-  # A reused environment that ran the S3 part last: back to fsspec's floor.
-  pip uninstall -q -y s3fs aiobotocore
-  install -c requirements/floors.txt fsspec
+else
+  if "$VENV/bin/python" -c 'import s3fs' 2>/dev/null; then
+    # A reused environment that ran the S3 part last: back to fsspec's floor.
+    pip uninstall -q -y s3fs aiobotocore
+    install -c requirements/floors.txt fsspec
+  fi
+  # A reused environment holds the distribution as this checkout was when it was made: the processes the tests
+  # start (helpers, fork servers) import that installed copy, so it must be this checkout's.
+  install --no-build-isolation --no-deps --force-reinstall .
 fi
 
 # The installed copy, not this checkout, is typed; its metadata says so without importing torch.
