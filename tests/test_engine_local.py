@@ -226,17 +226,23 @@ def test_a_small_state_is_staged_beside_saves_still_being_written(
             assert restored is not None and torch.equal(restored.state["model"]["w"], make_state(step)["model"]["w"])
 
 
-def test_a_large_state_waits_for_the_previous_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A state past SETS_BYTES gets one set of buffers (a second would double its host memory)."""
-    monkeypatch.setattr(staging_area, "SETS_BYTES", 1024)
+@pytest.mark.parametrize(("limit", "value", "sets"), [("SETS_BYTES", 1024, 1), ("SETS_BUFFERS", 3, 2)])
+def test_a_state_of_many_bytes_or_tensors_gets_few_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, value: int, sets: int
+) -> None:
+    """Past SETS_BYTES a state gets one set of buffers (a second would double its host memory); a state of many
+    tensors gets as many sets as SETS_BUFFERS allows (each buffer is a segment the helper maps): here 2 of 2
+    tensors. The save after those sets are held waits for the oldest commit."""
+    monkeypatch.setattr(staging_area, limit, value)
     gate = gated_writer(monkeypatch)
-    with manager(tmp_path, when_busy="wait", persist="thread") as m:
-        first = m.save(1, make_state(1))
+    with manager(tmp_path, when_busy="wait", persist="thread", keep_last=sets + 1) as m:
+        first, *_ = [m.save(step, make_state(step)) for step in range(1, sets + 1)]
+        assert m.stats.waited_for_previous == 0
         threading.Timer(0.3, gate.set).start()
-        second = m.save(2, make_state(2))
-        assert first is not None and first.committed.done(), "save 2 started before save 1 was committed"
-        assert second is not None and m.stats.waited_for_previous == 1
-        assert len(m._staging_area.sets) == 1
+        last = m.save(sets + 1, make_state(sets + 1))
+        assert first is not None and first.committed.done(), "a save copied into buffers still unwritten"
+        assert last is not None and m.stats.waited_for_previous == 1
+        assert len(m._staging_area.sets) == sets
 
 
 @pytest.mark.parametrize("persist", ["process", "thread"])

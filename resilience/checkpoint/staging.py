@@ -98,6 +98,11 @@ class HostStager:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    @property
+    def count(self) -> int:
+        """Buffers held: one per key, each its own shared-memory segment where they are shared."""
+        return len(self._buffers)
+
     def stage(self, tensors: Mapping[str, torch.Tensor], *, asynchronous: bool = False) -> StagingJob:
         """Copy ``tensors`` into the buffers; with ``asynchronous`` return before the copy has finished."""
         staged: dict[str, torch.Tensor] = {}

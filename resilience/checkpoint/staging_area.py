@@ -5,9 +5,10 @@ state (the next state change waits for it: a barrier of hooks makes sure of that
 remember); the save's writer, which reads them until the save is committed; and readers they were lent to. A save
 copies into a set none of them holds. One set is enough while each save commits before the next, and a large
 state gets no other: a second would double the host memory it takes. A small state gets more sets when those it
-has are held (up to :data:`MAX_SETS`, while they come to at most :data:`SETS_BYTES`), so that a save does not wait
-for the ones before it to commit: in a small job the first saves are made before the helper process that writes
-them has started, and at a save every few steps a commit can take longer than those steps.
+has are held (up to :data:`MAX_SETS`, while they come to at most :data:`SETS_BYTES` and :data:`SETS_BUFFERS`), so
+that a save does not wait for the ones before it to commit: in a small job the first saves are made before the
+helper process that writes them has started, and at a save every few steps a commit can take longer than those
+steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from resilience.checkpoint.updates import before_update
 from resilience.config import CheckpointConfig
 
 SETS_BYTES = 64 * 2**20  # another set of buffers is made only while the sets a rank has hold at most this much
+SETS_BUFFERS = 4096  # ... and at most this many buffers (each a shared-memory segment, mapped by the helper)
 MAX_SETS = 8  # saves a small state may have staged at once, not yet committed
 
 
@@ -63,9 +65,10 @@ class StagingArea:
     def _new_set(self) -> BufferSet:
         return BufferSet(HostStager(self.config.pin_memory, shared=self.config.persist == "process"))
 
-    def _may_add(self, nbytes: int) -> bool:
-        """Whether another set may be made for a state of ``nbytes`` on this rank."""
-        return len(self.sets) < MAX_SETS and len(self.sets) * nbytes <= SETS_BYTES
+    def _may_add(self, nbytes: int, count: int) -> bool:
+        """Whether another set may be made for a state of ``nbytes`` in ``count`` tensors on this rank."""
+        sets = len(self.sets)
+        return sets < MAX_SETS and sets * nbytes <= SETS_BYTES and sets * count <= SETS_BUFFERS
 
     def _oldest(self) -> BufferSet:
         return min(self.sets, key=lambda held: held.staged[0].step if held.staged is not None else -1)
@@ -73,7 +76,8 @@ class StagingArea:
     def busy_with(self) -> list[concurrent.futures.Future[Any]]:
         """Empty if a save may be staged now; else what it must wait for: the oldest save still held, and that
         save's loans (its set is then free). The size of the last state staged stands for the next one's."""
-        if any(not held.holders() for held in self.sets) or self._may_add(self.sets[0].stager.nbytes):
+        first = self.sets[0].stager
+        if any(not held.holders() for held in self.sets) or self._may_add(first.nbytes, first.count):
             return []
         return self._oldest().holders()
 
@@ -81,9 +85,10 @@ class StagingArea:
         """Copy ``tensors`` into a free set of buffers for ``handle``'s save (:meth:`busy_with` was waited for):
         the first free one, else a new one if the state is small enough."""
         free = [held for held in self.sets if not held.holders()]
+        first = self.sets[0].stager
         if free:
             chosen = free[0]
-        elif self._may_add(max(self.sets[0].stager.nbytes, _nbytes(tensors))):
+        elif self._may_add(max(first.nbytes, _nbytes(tensors)), max(first.count, len(tensors))):
             chosen = self._new_set()
             self.sets.append(chosen)
         else:  # a state grown past what busy_with() judged by, or a loan taken since: wait here
