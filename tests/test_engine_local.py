@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -327,6 +328,53 @@ time.sleep(600)
         m.claim(resumed_from=1)
         assert not (tmp_path / "step-2").exists(), "the uncommitted leftover of a dead writer was not cleared"
         m.save(2, make_state(2))  # the step can be saved again after the crash
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None and restored.step == 2
+
+
+def test_a_job_killed_with_several_saves_in_flight_resumes_from_the_last_commit(tmp_path: Path) -> None:
+    """A small state's saves 2, 3 and 4 are all staged while step 2's commit hangs in the helper; the job is then
+    killed whole (SIGKILL to its process group, helpers and fork server included, as a launcher does): none of
+    them loads, step 1 does, exactly, and step 2 can be saved again."""
+    with manager(tmp_path) as m:
+        m.save(1, make_state(1))
+    script = f"""
+import time
+from resilience import CheckpointConfig, CheckpointManager
+from tests.test_engine_local import make_state
+m = CheckpointManager(CheckpointConfig({str(tmp_path)!r}, keep_last=2, persist="process"))
+m.load()
+handles = [m.save(step, make_state(step)) for step in (2, 3, 4)]
+print("STAGED", sum(h is not None and not h.committed.done() for h in handles), flush=True)
+time.sleep(600)
+"""
+    env = base_env(
+        {
+            "RESILIENCE_HELPER_PRELOAD": "tests.workers.helper_faults",
+            "TEST_HELPER_FAULT": "stall_manifest",
+            "TEST_READY_FILE": str(tmp_path / "ready"),
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().split() == ["STAGED", "3"]
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer never reached the commit"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not any((tmp_path / f"step-{step}" / "manifest.json").exists() for step in (2, 3, 4))
+    with manager(tmp_path) as m:
+        restored = m.load()
+        assert restored is not None and restored.step == 1
+        assert torch.equal(restored.state["model"]["w"], make_state(1)["model"]["w"])
+        m.claim(resumed_from=1)
+        m.save(2, make_state(2))
     with manager(tmp_path) as m:
         restored = m.load()
     assert restored is not None and restored.step == 2
