@@ -68,14 +68,18 @@ class StagingJob:
     @property
     def nbytes(self) -> int:
         """Bytes staged on this rank (a DTensor's local shard, not its global size)."""
-        # a DTensor's local shard; in the helper, a Piece's
-        local = [t._local_tensor if isinstance(t, DTensor) else getattr(t, "local", t) for t in self.staged.values()]
-        return sum(t.numel() * t.element_size() for t in local)
+        return local_nbytes(self.staged.values())
 
     @property
     def done(self) -> bool:
         cuda_done = self._cuda_event is None or self._cuda_event.query()
         return cuda_done and (self._cpu_copy is None or self._cpu_copy.done())
+
+
+def local_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` on this rank: a DTensor's local shard, not its global size (in the helper, a Piece's)."""
+    local = [t._local_tensor if isinstance(t, DTensor) else getattr(t, "local", t) for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 class HostStager:

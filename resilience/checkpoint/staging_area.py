@@ -24,7 +24,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from resilience.checkpoint.save_handle import SaveHandle
-from resilience.checkpoint.staging import HostStager, Loan, StagingJob
+from resilience.checkpoint.staging import HostStager, Loan, StagingJob, local_nbytes
 from resilience.checkpoint.updates import before_update
 from resilience.config import CheckpointConfig
 
@@ -88,7 +88,7 @@ class StagingArea:
         first = self.sets[0].stager
         if free:
             chosen = free[0]
-        elif self._may_add(max(first.nbytes, _nbytes(tensors)), max(first.count, len(tensors))):
+        elif self._may_add(max(first.nbytes, local_nbytes(tensors.values())), max(first.count, len(tensors))):
             chosen = self._new_set()
             self.sets.append(chosen)
         else:  # a state grown past what busy_with() judged by, or a loan taken since: wait here
@@ -160,9 +160,3 @@ class StagingArea:
                 self.pending.release_source()
             self.pending = None
         self.disarm_barrier()
-
-
-def _nbytes(tensors: dict[str, Any]) -> int:
-    """Bytes this rank stages of ``tensors`` (a DTensor's local shard)."""
-    local = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors.values()]
-    return sum(t.numel() * t.element_size() for t in local)
