@@ -100,11 +100,16 @@ def stop_when(
     how: str,
     signum: signal.Signals = signal.SIGTERM,
     timeout_s: float = TIMEOUT_S,
+    lines: int = 0,
 ) -> tuple[list[int], str]:
-    """Once ``marker`` exists, send ``signum`` to the job as ``how`` says (:func:`deliver`); wait up to
-    ``timeout_s`` for it to end. The job's pids and output."""
+    """Once ``marker`` exists (and holds ``lines`` distinct lines), send ``signum`` to the job as ``how`` says
+    (:func:`deliver`); wait up to ``timeout_s`` for it to end. The job's pids and output."""
+
+    def reached() -> bool:
+        return marker.exists() and len(set(marker.read_text().split())) >= lines
+
     try:
-        wait_for(marker.exists, proc, log)
+        wait_for(reached, proc, log)
         pids = deliver(proc, how, signum)
         proc.wait(timeout=timeout_s)
     finally:
@@ -216,7 +221,8 @@ def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path:
     marker = tmp_path / "loading"
     slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
     proc, log = start_accelerate(tmp_path, root, ACCELERATE_RESILIENCE_HEALTH="1", **slow)
-    pids, output = stop_when(proc, log, marker, "every_pid", timeout_s=30)  # well before the read would have ended
+    # once both workers read (one still importing has no handler yet: SIGTERM's default would end it, rightly)
+    pids, output = stop_when(proc, log, marker, "every_pid", timeout_s=30, lines=2)
     # each worker says it once, however many copies of the signal reach it (the launcher forwards its own)
     said = re.findall(r"SIGTERM before training began: exiting with code 75 \(pid (\d+)\)", output)
     ours = "\n".join(line for line in output.splitlines() if "resilience" in line or "exitcode" in line)

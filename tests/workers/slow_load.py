@@ -1,7 +1,7 @@
 """A restore made as long as one from S3 on a fresh node, so that a test's signal can land in it.
 
-With ``TEST_SLOW_LOAD_S`` set, every checkpoint read of the training process first leaves the file
-``TEST_LOADING_MARKER`` and waits that many seconds. Imported by the test workers before they build anything.
+With ``TEST_SLOW_LOAD_S`` set, every checkpoint read of the training process first adds its pid as a line to the
+file ``TEST_LOADING_MARKER`` and waits that many seconds. Imported by the test workers before they build anything.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ def slow_down_loads_from_env() -> None:
     load_entry = Restorer.load_entry
 
     def slow(self: Restorer, *args: object, **kwargs: object) -> object:
-        open(marker, "w").close()
+        with open(marker, "a") as lines:
+            lines.write(f"{os.getpid()}\n")
         time.sleep(seconds)
         return load_entry(self, *args, **kwargs)  # type: ignore[arg-type]
 
