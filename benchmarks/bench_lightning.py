@@ -88,7 +88,15 @@ from benchmarks.common import (
 )
 from benchmarks.dcp_recipe import DCP_ASYNC, DCP_KEYS, DCP_SYNC, end_checkpoint_process
 from benchmarks.host_memory import MEMORY_NOTE, TreeMemory, memory_table, persistent_helpers, report_memory
-from benchmarks.lightning_io import CountedCheckpoint, DcpProcessIO, HostCopyIO, TrainingEnd, drain, staging_wait
+from benchmarks.lightning_io import (
+    CountedCheckpoint,
+    DcpProcessIO,
+    HostCopyIO,
+    TrainingEnd,
+    drain,
+    staging_wait,
+    variant_callbacks,
+)
 from lightning_resilience import PeriodicCheckpoint, ResilientCheckpointIO
 
 BATCH = 8
@@ -234,7 +242,7 @@ def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], dra
     directory = Path(tempfile.mkdtemp(prefix="fit-", dir=root))
     io = PLUGINS[variant](directory)
     saves = TimedSaves(directory, set() if variant == NO_SAVES else save_at, drain_each)
-    callbacks = [saves, *(io.callbacks() if isinstance(io, DcpProcessIO) else ())]
+    callbacks = [saves, *variant_callbacks(io)]
     run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
     with TreeMemory(keep=helpers(variant)) as memory:
         run.fit(model, loader(model, steps))
@@ -413,8 +421,7 @@ def added_fit(model: Net, variant: str, root: Path, steps: int, every: int) -> d
         callbacks.append(PeriodicCheckpoint(every_n_steps=every))
     elif variant != NO_SAVES:
         callbacks.append(CountedCheckpoint(dirpath=directory / "names", every_n_train_steps=every, save_top_k=-1))
-    if isinstance(io, DcpProcessIO):
-        callbacks += io.callbacks()  # the wait for its staging copy before the next update
+    callbacks += variant_callbacks(io)
     run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
     data = loader(model, steps)
     gc.collect()

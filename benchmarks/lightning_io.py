@@ -21,7 +21,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
 from benchmarks.common import HostCopy, now, tensors_in
 from benchmarks.dcp_recipe import DcpProcessSaver
-from lightning_resilience import ResilientCheckpointIO
+from lightning_resilience import AutoResume, ResilientCheckpointIO
 
 
 class HostCopyIO(CheckpointIO):
@@ -113,6 +113,27 @@ def drain(io: CheckpointIO) -> None:
         io.teardown()  # waits for the queued saves; the next save starts a new thread
     elif isinstance(io, DcpProcessIO):
         io.saver.wait()
+
+
+class Bound(pl.Callback):
+    """Fails a fit in which our plugin does not know its Trainer: it would then write each ``.ckpt`` name on the
+    training thread, as the plugin alone does, and the benchmark would time that instead of the background path."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, ResilientCheckpointIO) and io._trainer is not trainer:
+            raise RuntimeError("ResilientCheckpointIO is not bound to this fit's Trainer: add a callback of the pack")
+
+
+def variant_callbacks(io: CheckpointIO | None) -> list[pl.Callback]:
+    """The callbacks a user adds with ``io``: for ours the README's ``AutoResume``, which also tells the plugin its
+    Trainer (the plugin alone saves synchronously); for the DCP recipe its wait for the staging copy before the next
+    update."""
+    if isinstance(io, ResilientCheckpointIO):
+        return [AutoResume(io), Bound()]
+    if isinstance(io, DcpProcessIO):
+        return io.callbacks()
+    return []
 
 
 class TrainingEnd(pl.Callback):

@@ -197,6 +197,7 @@ class ResilientCheckpointIO(CheckpointIO):
         self.sync_names_below_mb = sync_names_below_mb
         self.resumed_at_epoch_end = False
         self._warned_rank0_only = False
+        self._warned_unbound = False
         _LIVE.add(self)
         # without a logging set-up of the user's, the pack's lines follow Lightning's logger and its level
         route_through("lightning.pytorch", lambda: rank_zero_only.rank == 0)
@@ -322,6 +323,8 @@ class ResilientCheckpointIO(CheckpointIO):
             self._plain_file(checkpoint, path, storage_options)
             return
         size = tensor_bytes(checkpoint)
+        if trainer is None and size >= self.sync_names_below_mb * 2**20:
+            self._say_unbound()
         session = self._session_for(trainer, checkpoint)
         step, names = int(checkpoint.get("global_step", 0)), self._names
         held = session.manager.saved(step)
@@ -354,6 +357,17 @@ class ResilientCheckpointIO(CheckpointIO):
             publish(names, where, step, checkpoint, handle, run_id, layout or FILE, storage_options, write, now=now)
         if not fitting:  # no next step to overlap with: no helper left idling (Lightning's tests check threads)
             session.manager.rest(wait=False)
+
+    def _say_unbound(self) -> None:
+        """Once: a large save of a plugin no hook told its Trainer waits for its commit and its file, which a user
+        who added only the plugin would not expect of an asynchronous checkpoint."""
+        if not self._warned_unbound:
+            self._warned_unbound = True
+            rank_zero_warn(
+                "ResilientCheckpointIO does not know its Trainer (no strategy or callback of the pack binds it), so "
+                "each save returns only once it is committed and its file written, as with Lightning's own plugin. "
+                "Add AutoResume() or another callback of the pack to the Trainer for saves in the background."
+            )
 
     def _plain_file(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
         """Lightning's own file of ``checkpoint`` at ``path``; a name recorded there before is forgotten first, so

@@ -224,10 +224,14 @@ def test_the_plugin_alone_returns_each_save_on_disk(tmp_path: Path) -> None:
     """With Lightning's own strategy and no callback of the pack, nothing tells the plugin its Trainer, so it
     cannot tell a save inside a fit from one after it: every save is committed and its file written when it
     returns, and a weights-only one (no callback hook runs for it) is Lightning's own file, never a step that a
-    resume would take for a full checkpoint."""
+    resume would take for a full checkpoint. It says so once, with the fix, when a save is large enough that a
+    bound plugin would write its name in the background."""
     names = OnDiskWhenSaved(dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=-1)
     trainer = trainer_for(tmp_path, names, max_steps=6, bound=False)  # names in the background, if it were bound
-    trainer.fit(DemoModel(), DemoData())
+    with pytest.warns(UserWarning, match="does not know its Trainer") as said:
+        trainer.fit(DemoModel(), DemoData())
+    told = [str(w.message) for w in said if "does not know its Trainer" in str(w.message)]
+    assert len(told) == 1 and "Add AutoResume()" in told[0], told
     assert names.found == [(True, True)] * 3
     assert_lightning_file(tmp_path / "names" / "epoch=0-step=6.ckpt", 6)
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
