@@ -25,6 +25,7 @@ Should the shared server end first (its process did), the next helper comes from
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -344,6 +345,7 @@ def _serve(address: str, keepalive_fd: int, published: str) -> None:
     selector.register(listener._listener._socket, selectors.EVENT_READ, "accept")  # type: ignore[attr-defined]
     selector.register(keepalive_fd, selectors.EVENT_READ, "parent")
     signal.signal(signal.SIGCHLD, lambda *_: _reap())
+    gc.freeze()  # what the imports made: a helper's collections leave it alone, and the pages it shares with us
     while True:
         for key, _ in selector.select():
             if key.data == "parent":  # EOF: the training process is gone; its helpers see it themselves
@@ -360,6 +362,7 @@ def _serve(address: str, keepalive_fd: int, published: str) -> None:
                 continue
             if kind == CALL and not warmed:
                 _import_once_for_all_helpers()
+                gc.freeze()
                 warmed = True
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
