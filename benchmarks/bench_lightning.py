@@ -87,6 +87,7 @@ from benchmarks.common import (
     width_for,
 )
 from benchmarks.dcp_recipe import DCP_ASYNC, DCP_KEYS, DCP_SYNC, end_checkpoint_process
+from benchmarks.gpu_utilization import Utilization, mean_within
 from benchmarks.host_memory import MEMORY_NOTE, TreeMemory, memory_table, persistent_helpers, report_memory
 from benchmarks.lightning_io import (
     CountedCheckpoint,
@@ -208,6 +209,7 @@ class TimedSaves(pl.Callback):
         self.blocks: list[dict[str, float]] = []
         self.marks: list[float] = []
         self.memory: dict[str, float] = {}  # the fit's peak host memory (host_memory.TreeMemory)
+        self.utilization: list[tuple[float, int]] = []  # on a GPU: (time, percent) readings (gpu_utilization)
         self._pending: tuple[str, float] | None = None  # path, staging-wait counter at the save
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -244,9 +246,9 @@ def fit(model: Net, variant: str, root: Path, steps: int, save_at: set[int], dra
     saves = TimedSaves(directory, set() if variant == NO_SAVES else save_at, drain_each)
     callbacks = [saves, *variant_callbacks(io)]
     run = trainer(steps, directory, model.accelerator, plugins=[io] if io is not None else None, callbacks=callbacks)
-    with TreeMemory(keep=helpers(variant)) as memory:
+    with TreeMemory(keep=helpers(variant)) as memory, Utilization(model.accelerator == "gpu") as busy:
         run.fit(model, loader(model, steps))
-    saves.memory = memory.sample()
+    saves.memory, saves.utilization = memory.sample(), busy.readings
     if isinstance(io, DcpProcessIO):
         io.close()  # frees its buffers and groups (after the fit: not timed, as our engine's close)
     del run, io
@@ -354,6 +356,14 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
         first steps warm up) nor the last (the wait for the last save), which a run pays once."""
         return Stats.of(span for run in spans(variant) for span in run[1:-1])
 
+    def busy(variant: str) -> str:
+        """On a GPU: per round, the mean utilization in the steady windows, percent."""
+        means = []
+        for r in runs[variant]:
+            bounds = [r.start, *r.marks[args.every - 1 :: args.every]]
+            means.append(mean_within(r.utilization, [(bounds[1], bounds[-2])] if len(bounds) > 3 else []))
+        return Stats.of(m for m in means if m is not None).fmt(1)
+
     def steady_share(variant: str) -> Stats:
         """Per round, the no-save fit's median steady window over the variant's: paired, as the rounds ran
         minutes apart and the machine's speed moves between them."""
@@ -372,6 +382,7 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
             "blocking per save",
             "CPU s/step",
             "x no saves (CPU)",
+            "GPU busy, steady, %",
         ],
         [
             [
@@ -384,6 +395,7 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
                 Stats.of(b["block"] for r in runs[v] for b in r.blocks).fmt(),
                 cpu(v).fmt(3),
                 f"{ratio(base_cpu, cpu(v).median):.3f}",
+                busy(v),
             ]
             for v in variants
         ],
@@ -405,7 +417,9 @@ def throughput(args: Any, model: Net, root: Path, report: Report) -> None:
         "wait for the last save), pooled over the rounds; x no saves (steady) is, per round, the no-save fit's "
         "median steady window over the variant's (median [IQR] over rounds). CPU = user + system seconds of the "
         "training process and every process it started, our helper and DCP's process included "
-        "(`common.cpu_seconds`), per step of the whole fit; its ratio is no-save CPU per step over the variant's."
+        "(`common.cpu_seconds`), per step of the whole fit; its ratio is no-save CPU per step over the variant's. "
+        "GPU busy: NVML's utilization read every 0.05 s, its mean over the steady windows (median [IQR] over "
+        "rounds; `-` off a GPU)."
     )
     memory_table(report, {v: [r.memory for r in runs[v]] for v in variants}, NO_SAVES)
     report.add(f"- {MEMORY_NOTE}")

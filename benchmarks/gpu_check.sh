@@ -2,8 +2,8 @@
 # GPU check: the CUDA tests (tests/test_cuda.py), then (issue 8, item 9) pinned staging bandwidth against a
 # plain device-to-host copy, blocking time with asynchronous staging during real GPU training steps, real NVML
 # readings with the health monitor running against them, then (issue 18) what saves cost a real Lightning fit
-# on the GPU in its steady state, each CheckpointIO side by side (bench_lightning --mode throughput
-# --accelerator gpu). Needs one CUDA GPU and a CUDA build of torch in the interpreter it runs (PYTHON, default
+# on the GPU in its steady state, each CheckpointIO side by side, with the GPU's utilization in those windows
+# (bench_lightning --mode throughput --accelerator gpu). Needs one CUDA GPU and a CUDA build of torch in the interpreter it runs (PYTHON, default
 # .venv/bin/python; the CPU wheel that `make setup` installs will not do), with pytest and Lightning. Sized to
 # finish within 8 minutes on one H200 (2026-12-04: the bench_gpu part took 115 s); hard limits of 120 s, 200 s
 # and 250 s stop each part otherwise. Prints markdown and keeps a copy in benchmarks/out/gpu_check.md, to paste
