@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import mmap
 import os
 import pickle
 import struct
@@ -73,6 +74,34 @@ def test_the_shard_is_opened_with_o_direct_where_the_file_system_takes_it(tmp_pa
     finally:
         stream.close()
     assert (tmp_path / "f").read_bytes() == b"x" * (CHUNK + 10)
+
+
+def test_aligned_blocks_go_out_from_page_aligned_memory_itself_and_from_other_memory_through_a_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A name's tensor from a staging buffer (a segment of its own, so on a page) is written without a copy; one
+    elsewhere is copied through the reused aligned buffer. Both land byte for byte, past the page cache."""
+    copies: list[int] = []
+    real = direct_io._write_through_buffer
+    monkeypatch.setattr(direct_io, "_write_through_buffer", lambda fd, *a: copies.append(fd) or real(fd, *a))
+    blocks = 2 * CHUNK // ALIGN + 3
+    paged = mmap.mmap(-1, blocks * ALIGN + ALIGN)  # anonymous maps start on a page
+    paged[:] = os.urandom(len(paged))
+    path = tmp_path / "name"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_WRONLY | direct_io.O_DIRECT)
+    try:
+        direct_io.pwrite_aligned(fd, memoryview(paged)[: blocks * ALIGN], 0)
+        assert copies == []
+        direct_io.pwrite_aligned(fd, memoryview(paged)[64 : 64 + ALIGN], blocks * ALIGN)  # not on a page
+        assert copies == [fd]
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        pytest.skip(f"the file system under {tmp_path} refuses O_DIRECT writes")
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == paged[: blocks * ALIGN] + paged[64 : 64 + ALIGN]
 
 
 def test_a_file_system_refusing_o_direct_at_open_or_at_write_gets_buffered_writes(

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
+import numpy
 import xxhash
 
 # O_DIRECT wants the buffer's address, the file offset and the length aligned to the device's logical block:
@@ -406,12 +407,25 @@ def copy_range(
 
 def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:
     """Write ``data`` (a whole number of ``ALIGN`` blocks) at ``offset`` (aligned) through an ``O_DIRECT``
-    descriptor, a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
+    descriptor: from ``data`` itself where it starts on a page (a staging buffer: each is a shared-memory segment
+    of its own), else a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
+    if _address(data) % mmap.PAGESIZE == 0:
+        for start in range(0, len(data), CHUNK):
+            chunk = data[start : start + CHUNK]
+            sent = 0
+            while sent < len(chunk):
+                sent += os.pwrite(fd, chunk[sent:], offset + start + sent)
+        return
 
     def fill(chunk: memoryview, position: int) -> None:
         chunk[:] = data[position : position + len(chunk)]
 
     _write_through_buffer(fd, offset, len(data), fill)
+
+
+def _address(data: memoryview) -> int:
+    """Where ``data`` starts in this process's memory (read-only views too; 0 for an empty one)."""
+    return int(numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data) if len(data) else 0
 
 
 def _write_through_buffer(fd: int, offset: int, length: int, fill: Callable[[memoryview, int], None]) -> None:
