@@ -76,6 +76,30 @@ def test_the_shard_is_opened_with_o_direct_where_the_file_system_takes_it(tmp_pa
     assert (tmp_path / "f").read_bytes() == b"x" * (CHUNK + 10)
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_a_large_storage_on_a_block_goes_out_from_where_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """A piece of a chunk or more that starts on a block of the file and of memory (a large tensor's storage from a
+    staging buffer) is hashed and written in place; one off a block of the file or of memory goes through the
+    buffer. The file and its checksum are the bytes written, in order, either way."""
+    through: list[int] = []
+    real = HashedFileStream._write_through
+    monkeypatch.setattr(
+        HashedFileStream, "_write_through", lambda self, view: through.append(len(view)) or real(self, view)
+    )
+    paged = mmap.mmap(-1, 2 * CHUNK + 2 * ALIGN)  # anonymous maps start on a page
+    paged[:] = os.urandom(len(paged))
+    on_block, off_memory = memoryview(paged)[: 2 * CHUNK + 100], memoryview(paged)[64 : 64 + CHUNK]
+    pieces = [os.urandom(ALIGN), on_block, b"tail", on_block, os.urandom(ALIGN - 204), off_memory]
+    done = write(tmp_path / "f", pieces, direct=direct)
+    data = b"".join(bytes(piece) for piece in pieces)
+    assert (tmp_path / "f").read_bytes() == data and done[0].xxh3_64 == hash_bytes(data)
+    # the second large piece follows 4 bytes of tail: off a block of the file; the last is off a page of memory,
+    # which only O_DIRECT minds
+    assert through == ([len(on_block)] if direct else [len(on_block), len(off_memory)])
+
+
 def test_aligned_blocks_go_out_from_page_aligned_memory_itself_and_from_other_memory_through_a_buffer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

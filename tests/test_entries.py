@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +162,35 @@ def test_dcps_own_readers_read_every_tensor_of_a_step_with_no_pack_code(tmp_path
         assert_same(tensor.detach(), converted[key])
 
 
+def test_a_large_tensors_bytes_start_on_a_block_of_its_file_and_small_entries_stay_packed(tmp_path: Path) -> None:
+    """A tensor over a MiB gets an entry whose storage lies on a 4 KiB boundary of the shard, so the helper writes
+    it past the page cache straight from its staging buffer; small entries follow each other without a gap. DCP's
+    readers, which read each entry at its offset, read them all."""
+    state = {
+        "large": torch.randn(3 << 20),
+        "mid": torch.randn(300_000),
+        **{f"s{i}": torch.randn(i + 1) for i in range(9)},
+    }
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt")) as m:
+        m.save(1, state)
+    step = tmp_path / "ckpt" / "step-1"
+    metadata = MetadataUnpickler(io.BytesIO((step / ".metadata").read_bytes())).load()
+    where = {index.fqn: info for index, info in metadata.storage_data.items()}
+    for key in ("large", "mid"):
+        info = where[key]
+        raw = (step / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(raw)) as entry:
+            at = next(i for i in entry.infolist() if i.filename.endswith("/data/0")).header_offset
+        name_length, extra_length = struct.unpack("<HH", raw[at + 26 : at + 30])  # the record's local header
+        data_at = info.offset + at + 30 + name_length + extra_length
+        assert data_at % 4096 == 0, (key, data_at)
+    small = sorted((info.offset, info.length) for key, info in where.items() if key.startswith("s"))
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(small)), small
+    _, loaded = read_held_out(step, tmp_path)
+    for key, tensor in state.items():
+        assert torch.equal(loaded[key], tensor), key
+
+
 def record_kinds() -> list[torch.Tensor]:
     base = torch.randn(6, 8)
     return [
@@ -180,12 +212,15 @@ def record_kinds() -> list[torch.Tensor]:
 @pytest.mark.parametrize("crcs", [False, True], ids=["no CRC-32s", "CRC-32s"])
 def test_a_record_is_the_bytes_torch_save_writes(crcs: bool) -> None:
     """The head and tail the writer reuses give, around a tensor's bytes, what ``torch.save`` writes for it, for
-    every kind of tensor, made once and reused with other values; with CRC-32s on, it is ``torch.save``'s own."""
+    every kind of tensor, made once and reused with other values; with CRC-32s on, it is ``torch.save``'s own. A
+    large tensor's is ``torch.save``'s with its storage on a 4 KiB boundary (torch's ``storage_alignment``)."""
     for tensor in record_kinds():
         for values in (tensor, tensor.clone() if tensor.numel() == 0 else torch.full_like(tensor, 1).to(tensor.dtype)):
+            large = values.nbytes > tensor_records.SMALL_BYTES
             with contextlib.nullcontext() if crcs else _no_zip_crcs():  # torch computes them by default
                 theirs, ours = io.BytesIO(), io.BytesIO()
-                torch.save(values, theirs)
+                with tensor_records._blocks_aligned() if large else contextlib.nullcontext():
+                    torch.save(values, theirs)
                 tensor_records.write(ours, values)
                 reused = tensor_records._pair(values) is not None
             # the head and tail are reused for every small tensor with bytes, and only without CRC-32s

@@ -100,14 +100,16 @@ class RecordingWriter(FileSystemWriter):
         results = []
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
             for item in sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO):  # bytes first, as DCP
-                offset = stream.tell()
                 data = planner.resolve_data(item)
                 if isinstance(data, io.BytesIO):
+                    offset = stream.tell()
                     stream.write(data.getbuffer())
                 else:
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().nbytes() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: its record holds its own elements only, as DCP's does
+                    tensor_records.entry_start(stream, tensor)
+                    offset = stream.tell()
                     tensor_records.write(stream, tensor)
                 length = stream.tell() - offset
                 where = StorageInfo(name, offset, length)

@@ -119,6 +119,8 @@ class HashedFileStream(io.IOBase):
         count = len(view)
         taken = 0
         try:
+            if count >= CHUNK and self._fill % ALIGN == 0 and (not self._direct or _address(view) % ALIGN == 0):
+                taken = self._write_through(view)
             while taken < count:
                 step = min(count - taken, CHUNK - self._fill)
                 self._view[self._fill : self._fill + step] = view[taken : taken + step]
@@ -132,6 +134,19 @@ class HashedFileStream(io.IOBase):
             raise
         self._size += count
         return count
+
+    def _write_through(self, view: memoryview) -> int:
+        """Hash and write the whole blocks of ``view`` from where they are (a storage on a block boundary of the
+        file and of memory, a staging buffer's), not copied into the buffer first; how many bytes went."""
+        if self._fill:
+            self._send(self._fill)
+            self._fill = 0
+        blocks = len(view) - len(view) % ALIGN
+        for start in range(0, blocks, CHUNK):
+            chunk = view[start : min(start + CHUNK, blocks)]
+            self._digest.update(chunk)
+            self._write_all(chunk)
+        return blocks
 
     def abandon(self) -> None:
         """Make :meth:`close` only close: the file is left as it is and never reported (its writer failed)."""
@@ -409,7 +424,7 @@ def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:
     """Write ``data`` (a whole number of ``ALIGN`` blocks) at ``offset`` (aligned) through an ``O_DIRECT``
     descriptor: from ``data`` itself where it starts on a page (a staging buffer: each is a shared-memory segment
     of its own), else a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
-    if _address(data) % mmap.PAGESIZE == 0:
+    if _address(data) % ALIGN == 0:
         for start in range(0, len(data), CHUNK):
             chunk = data[start : start + CHUNK]
             sent = 0

@@ -12,12 +12,15 @@ tensor over :data:`SMALL_BYTES`, an empty or unusual tensor, a torch whose recor
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
-from typing import IO, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
+
+from resilience.persist.direct_io import ALIGN
 
 SMALL_BYTES = 1 << 20
 """Larger tensors go through ``torch.save``: their record's cost is their bytes, and a probe would allocate and
@@ -29,15 +32,33 @@ _lock = threading.Lock()
 
 
 def write(stream: io.IOBase, tensor: torch.Tensor) -> None:
-    """Write ``torch.save(tensor)``'s bytes to ``stream``; ``tensor`` is on the CPU and owns its whole storage."""
+    """Write ``torch.save(tensor)``'s bytes to ``stream``; ``tensor`` is on the CPU and owns its whole storage.
+
+    A large tensor's record puts its storage on a block boundary of the file (the caller starts the entry on
+    one, :func:`entry_start`): a staging buffer, which starts on a page, then goes to disk past the page cache
+    without being copied first (:class:`~resilience.persist.direct_io.HashedFileStream`)."""
     pair = _pair(tensor)
     if pair is None:
-        torch.save(tensor, cast(IO[bytes], stream))
+        with _blocks_aligned() if tensor.nbytes > SMALL_BYTES else contextlib.nullcontext():
+            torch.save(tensor, cast(IO[bytes], stream))
         return
     head, tail = pair
     stream.write(head)
     stream.write(_storage_bytes(tensor))
     stream.write(tail)
+
+
+def entry_start(stream: io.IOBase, tensor: torch.Tensor) -> None:
+    """Pad ``stream`` with zeros to the next block before a large tensor's entry (DCP reads each entry at its
+    offset; the bytes between entries are no entry's). Small entries stay packed: a block each would multiply
+    the size of a state of many small tensors."""
+    if tensor.nbytes > SMALL_BYTES and stream.tell() % ALIGN:
+        stream.write(bytes(ALIGN - stream.tell() % ALIGN))
+
+
+def _blocks_aligned() -> contextlib.AbstractContextManager[Any]:
+    """``torch.save`` in this thread puts each storage on an ``ALIGN`` boundary of its record (64 B by default)."""
+    return torch.utils.serialization.config.patch({"save.storage_alignment": ALIGN})  # type: ignore[attr-defined]
 
 
 def _pair(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
