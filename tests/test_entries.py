@@ -30,7 +30,7 @@ from resilience.checkpoint.tree import flatten
 from resilience.errors import IncompatibleStateError
 from resilience.formats.export import read_committed, write_file_atomically
 from resilience.persist import tensor_records
-from resilience.persist.direct_io import _no_zip_crcs
+from resilience.persist.direct_io import _no_zip_crcs, aligned_storages
 from resilience.recovery.survivors import missing_entries
 from resilience.storage.tiers import LocalTier
 from tests.helpers import WORKERS, check_ranks, run_ranks
@@ -219,7 +219,7 @@ def test_a_record_is_the_bytes_torch_save_writes(crcs: bool) -> None:
             large = values.nbytes > tensor_records.SMALL_BYTES
             with contextlib.nullcontext() if crcs else _no_zip_crcs():  # torch computes them by default
                 theirs, ours = io.BytesIO(), io.BytesIO()
-                with tensor_records._blocks_aligned() if large else contextlib.nullcontext():
+                with aligned_storages() if large else contextlib.nullcontext():
                     torch.save(values, theirs)
                 tensor_records.write(ours, values)
                 reused = tensor_records._pair(values) is not None

@@ -16,7 +16,6 @@ ordinary tensor (whose bytes are written from memory). Peak memory is the reader
 from __future__ import annotations
 
 import collections
-import contextlib
 import errno
 import functools
 import io
@@ -35,7 +34,7 @@ import torch
 from resilience.checkpoint.step_reader import ShardItem, StepReader
 from resilience.formats import raw_bytes
 from resilience.formats.crc import crc32
-from resilience.persist.direct_io import ALIGN, Window, copy_range, pwrite_aligned, reopen_direct
+from resilience.persist.direct_io import ALIGN, Window, aligned_storages, copy_range, pwrite_aligned, reopen_direct
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -61,7 +60,7 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
     (else it is computed as the bytes go by). Nothing is unpickled into a tensor and no memory is allocated for
     one. Other tensors are read.
     """
-    with torch.serialization.skip_data(materialize_fake_tensors=True), _aligned_records():
+    with torch.serialization.skip_data(materialize_fake_tensors=True), aligned_storages():
         torch.save(obj, stream, pickle_protocol=_PICKLE_PROTOCOL)
         storages = _storage_order(obj)
     stream.flush()
@@ -148,16 +147,6 @@ class _RecordWriter:
         if self.direct is not None:
             os.close(self.direct)
             self.direct = None
-
-
-def _aligned_records() -> contextlib.AbstractContextManager[Any]:
-    """``torch.save`` placing storages on ``ALIGN`` boundaries (its setting since torch 2.6; 64 B before), in
-    this thread (torch's settings are each thread's own)."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:
-        return contextlib.nullcontext()
-    return config.patch({"save.storage_alignment": ALIGN})  # type: ignore[attr-defined]
 
 
 class _Record:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import contextlib
 import io
 import threading
-from typing import IO, Any, cast
+from typing import IO, cast
 
 import numpy as np
 import torch
 
-from resilience.persist.direct_io import ALIGN
+from resilience.persist.direct_io import ALIGN, aligned_storages
 
 SMALL_BYTES = 1 << 20
 """Larger tensors go through ``torch.save``: their record's cost is their bytes, and a probe would allocate and
@@ -39,7 +39,7 @@ def write(stream: io.IOBase, tensor: torch.Tensor) -> None:
     without being copied first (:class:`~resilience.persist.direct_io.HashedFileStream`)."""
     pair = _pair(tensor)
     if pair is None:
-        with _blocks_aligned() if tensor.nbytes > SMALL_BYTES else contextlib.nullcontext():
+        with aligned_storages() if tensor.nbytes > SMALL_BYTES else contextlib.nullcontext():
             torch.save(tensor, cast(IO[bytes], stream))
         return
     head, tail = pair
@@ -54,11 +54,6 @@ def entry_start(stream: io.IOBase, tensor: torch.Tensor) -> None:
     the size of a state of many small tensors."""
     if tensor.nbytes > SMALL_BYTES and stream.tell() % ALIGN:
         stream.write(bytes(ALIGN - stream.tell() % ALIGN))
-
-
-def _blocks_aligned() -> contextlib.AbstractContextManager[Any]:
-    """``torch.save`` in this thread puts each storage on an ``ALIGN`` boundary of its record (64 B by default)."""
-    return torch.utils.serialization.config.patch({"save.storage_alignment": ALIGN})  # type: ignore[attr-defined]
 
 
 def _pair(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
