@@ -209,7 +209,9 @@ def aligned_storages() -> contextlib.AbstractContextManager[Any]:
     thread's own."""
     try:
         from torch.utils.serialization import config
-    except ImportError:  # torch before 2.6 has no such setting
+    except ImportError:  # a torch without the setting: its 64 B, and every write through the bounce buffer
+        return contextlib.nullcontext()
+    if not hasattr(config.save, "storage_alignment"):
         return contextlib.nullcontext()
     return config.patch({"save.storage_alignment": ALIGN})  # type: ignore[attr-defined]
 

@@ -59,7 +59,7 @@ def entry_start(stream: io.IOBase, tensor: torch.Tensor) -> None:
 def _pair(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
     if torch.serialization.get_crc32_options() or not _plain(tensor):
         return None
-    alignment = str(torch.utils.serialization.config.save.storage_alignment)  # part of the record's layout
+    alignment = str(getattr(torch.utils.serialization.config.save, "storage_alignment", 64))  # part of the layout
     kind = (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), alignment)
     if kind not in _pairs:
         pair = _probe(tensor)
