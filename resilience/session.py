@@ -42,6 +42,7 @@ from resilience.checkpoint.manager import CheckpointManager
 from resilience.checkpoint.resume import RngTiming, SessionResume
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.config import WhenBusy
+from resilience.errors import CheckpointError
 from resilience.goodput import (
     DataWaitMonitor,
     GoodputConfig,
@@ -404,7 +405,8 @@ class TrainingSession:
     def end(self, failure: BaseException | str | None = None, *, close_manager: bool = True) -> None:
         """Wait for the last saves and uploads, close the ledger (completed, stopped or failed) and the monitors.
 
-        Idempotent. Raises the first background failure of the saves, after the ledger is closed. With
+        Idempotent. Raises the first background failure of the saves, after the ledger is closed; when training
+        failed (``failure``), logs it instead: ``failure`` is the error that goes on. With
         ``close_manager=False`` the manager stays open (drained, at rest: no helper process or thread until its
         next save) for saves after training, e.g. a final ``trainer.save_checkpoint``.
         """
@@ -432,7 +434,14 @@ class TrainingSession:
         elif failure is not None and not isinstance(failure, str):
             # training failed: the last saves get a bounded wait (a peer may be gone), and so does the exit
             self.manager.exit_timeout_s = FAILED_EXIT_WAIT_S
-            if not self.manager.drain(FAILED_DRAIN_S):
+            try:
+                drained = self.manager.drain(FAILED_DRAIN_S)
+            except CheckpointError as exc:
+                # often the same fault (a lost peer broke the save's collectives too): said, and the training's
+                # error goes on as the one that ended the process, not this one raised over it
+                log.error("rank %d: a save in flight failed as training did: %s", self.rank, exc)
+                return
+            if not drained:
                 log.warning("the last saves did not finish within %.0f s of the failure", FAILED_DRAIN_S)
         elif close_manager:
             self.manager.close()

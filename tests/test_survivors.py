@@ -223,6 +223,43 @@ def test_a_second_thread_meeting_the_lost_peer_waits_for_the_first_ones_save(
     assert outcomes["rescue"].committed
 
 
+@pytest.mark.parametrize("failed", [True, False], ids=["training-failed", "training-ended"])
+def test_a_save_that_failed_with_training_is_said_not_raised_over_the_trainings_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failed: bool
+) -> None:
+    """Without survivor saves (node-local disks), a lost peer breaks the step and the save in flight at once. The
+    session's end after the training's error logs the save's error and returns, so the training's error is the
+    one the excepthook reports and the launcher reads (raised there, the save's error came out as a second
+    traceback); the ledger names the training's error. A training that ended normally still raises it."""
+    from resilience import CheckpointConfig, CheckpointError, CheckpointManager
+    from resilience.goodput import GoodputConfig, summarize
+    from resilience.persist import pipeline
+    from resilience.session import SaveState, TrainingSession
+
+    def broken(self: object, plan: object, planner: object) -> object:
+        raise RuntimeError("Connection closed by peer")  # the writer group's collective, as gloo says it
+
+    monkeypatch.setattr(pipeline.RecordingWriter, "write_data", broken)
+    with CheckpointManager(CheckpointConfig(tmp_path / "ckpt", persist="thread")) as manager:
+        session = TrainingSession(manager, lambda step: SaveState({"w": torch.zeros(2)}, None, {}))
+        session.use_goodput(GoodputConfig(str(tmp_path), span_s=0))
+        session.start(0)
+        handle = manager.save(8, {"w": torch.ones(2)})
+        assert handle is not None and handle.committed.exception(timeout=30) is not None  # failed in the background
+        if failed:
+            session.end(RuntimeError("Connection closed by peer [127.0.0.1]:45233"))
+        else:
+            with pytest.raises(CheckpointError, match="Connection closed by peer"):
+                session.end()
+    (incarnation,) = summarize(tmp_path).incarnations
+    if failed:
+        assert incarnation.end_reason == "RuntimeError: Connection closed by peer [127.0.0.1]:45233"
+        said = [r.getMessage() for r in caplog.records if "failed as training did" in r.getMessage()]
+        assert len(said) == 1 and "step=8" in said[0], said
+    else:
+        assert incarnation.end_reason is not None and "CheckpointError" in incarnation.end_reason
+
+
 def test_both_threads_meeting_the_lost_peer_record_it_once_in_the_ledger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
