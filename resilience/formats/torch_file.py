@@ -34,14 +34,21 @@ import torch
 from resilience.checkpoint.step_reader import ShardItem, StepReader
 from resilience.formats import raw_bytes
 from resilience.formats.crc import crc32
-from resilience.persist.direct_io import ALIGN, Window, aligned_storages, copy_range, pwrite_aligned, reopen_direct
+from resilience.persist.direct_io import (
+    ALIGN,
+    Window,
+    aligned_storages,
+    copy_range,
+    pwrite_aligned,
+    pwrite_all,
+    reopen_direct,
+)
 
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_SIGNATURE = b"PK\x03\x04"
 _CENTRAL_HEADER = struct.Struct("<4s4B4HL2L5H2L")
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
-_CHUNK = 64 << 20
 _PICKLE_PROTOCOL = 2  # torch.save's default
 
 
@@ -107,7 +114,7 @@ class _RecordWriter:
             raise AssertionError(f"{len(data)} bytes to write into a record of {record.size}")
         record.crc = crc32(data)
         body = self._direct(record, lambda fd, count: pwrite_aligned(fd, data[:count], record.data_offset))
-        _pwrite_all(self.fd, data[body:], record.data_offset + body)
+        pwrite_all(self.fd, data[body:], record.data_offset + body)
         self.written += record.size
 
     def copy(self, record: _Record, source: IO[bytes], start: int, size: int, crc: int | None) -> None:
@@ -361,13 +368,6 @@ def _records(stream: IO[bytes]) -> dict[str, _Record]:
         descriptor_crc = data_offset + info.file_size + (4 if descriptor == _DESCRIPTOR_SIGNATURE else 0)
         records[key] = _Record(data_offset, info.file_size, descriptor_crc, central[info.filename])
     return records
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write ``data`` at ``offset`` (in pieces: one call writes at most about 2 GiB)."""
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + _CHUNK], offset + done)
 
 
 def _patch_crcs(fd: int, records: Iterable[_Record]) -> None:

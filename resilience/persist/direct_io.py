@@ -143,9 +143,7 @@ class HashedFileStream(io.IOBase):
             self._fill = 0
         blocks = len(view) - len(view) % ALIGN
         for start in range(0, blocks, CHUNK):
-            chunk = view[start : min(start + CHUNK, blocks)]
-            self._digest.update(chunk)
-            self._write_all(chunk)
+            self._out(view[start : min(start + CHUNK, blocks)])
         return blocks
 
     def abandon(self) -> None:
@@ -182,7 +180,9 @@ class HashedFileStream(io.IOBase):
 
     def _send(self, count: int) -> None:
         """Hash and write the first ``count`` bytes of the buffer (a multiple of ``ALIGN``)."""
-        chunk = self._view[:count]
+        self._out(self._view[:count])
+
+    def _out(self, chunk: memoryview) -> None:
         self._digest.update(chunk)
         self._write_all(chunk)
 
@@ -439,17 +439,20 @@ def pwrite_aligned(fd: int, data: memoryview, offset: int) -> None:
     descriptor: from ``data`` itself where it starts on a page (a staging buffer: each is a shared-memory segment
     of its own), else a reused aligned buffer at a time. ``EINVAL``: the file system takes no such write."""
     if _address(data) % ALIGN == 0:
-        for start in range(0, len(data), CHUNK):
-            chunk = data[start : start + CHUNK]
-            sent = 0
-            while sent < len(chunk):
-                sent += os.pwrite(fd, chunk[sent:], offset + start + sent)
+        pwrite_all(fd, data, offset)
         return
 
     def fill(chunk: memoryview, position: int) -> None:
         chunk[:] = data[position : position + len(chunk)]
 
     _write_through_buffer(fd, offset, len(data), fill)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset``, ``CHUNK`` bytes a call at most (one call writes at most about 2 GiB)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + CHUNK], offset + done)
 
 
 def _address(data: memoryview) -> int:
@@ -467,9 +470,7 @@ def _write_through_buffer(fd: int, offset: int, length: int, fill: Callable[[mem
         while done < length:
             chunk = view[: min(CHUNK, length - done)]
             fill(chunk, done)
-            sent = 0
-            while sent < len(chunk):
-                sent += os.pwrite(fd, chunk[sent:], offset + done + sent)
+            pwrite_all(fd, chunk, offset + done)
             done += len(chunk)
             chunk.release()
     finally:
