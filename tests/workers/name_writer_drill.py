@@ -20,7 +20,7 @@ DRILL = os.environ.get("TEST_NAME_WRITER_DRILL", "")
 
 if DRILL == "die":
     # a record's bytes are written from memory, or copied from the shard: either way, die after the first
-    write, copy = torch_file._pwrite_all, torch_file.copy_range
+    write, copy = torch_file.pwrite_all, torch_file.copy_range
 
     def write_then_die(*args: Any) -> None:
         write(*args)
@@ -30,7 +30,7 @@ if DRILL == "die":
         copy(*args)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    torch_file._pwrite_all, torch_file.copy_range = write_then_die, copy_then_die
+    torch_file.pwrite_all, torch_file.copy_range = write_then_die, copy_then_die
 
 elif DRILL.startswith("hang:"):
     pid_file = DRILL.removeprefix("hang:")
