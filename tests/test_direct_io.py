@@ -26,7 +26,7 @@ from resilience.checkpoint.step_reader import ShardItem
 from resilience.formats import raw_bytes, torch_file
 from resilience.formats.export import write_name
 from resilience.persist import direct_io
-from resilience.persist.direct_io import ALIGN, CHUNK, HashedFileStream, Written
+from resilience.persist.direct_io import ALIGN, CHUNK, THROUGH_BYTES, HashedFileStream, Written
 from resilience.storage import proofs
 from resilience.storage.dcp_fs import HashedFileSystem
 from resilience.storage.manifest import Manifest, hash_bytes, hash_stream
@@ -80,7 +80,7 @@ def test_the_shard_is_opened_with_o_direct_where_the_file_system_takes_it(tmp_pa
 def test_a_large_storage_on_a_block_goes_out_from_where_it_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
-    """A piece of a chunk or more that starts on a block of the file and of memory (a large tensor's storage from a
+    """A piece of a MiB or more that starts on a block of the file and of memory (a large tensor's storage from a
     staging buffer) is hashed and written in place; one off a block of the file or of memory goes through the
     buffer. The file and its checksum are the bytes written, in order, either way."""
     through: list[int] = []
@@ -91,13 +91,14 @@ def test_a_large_storage_on_a_block_goes_out_from_where_it_is(
     paged = mmap.mmap(-1, 2 * CHUNK + 2 * ALIGN)  # anonymous maps start on a page
     paged[:] = os.urandom(len(paged))
     on_block, off_memory = memoryview(paged)[: 2 * CHUNK + 100], memoryview(paged)[64 : 64 + CHUNK]
-    pieces = [os.urandom(ALIGN), on_block, b"tail", on_block, os.urandom(ALIGN - 204), off_memory]
+    smallest = memoryview(paged)[:THROUGH_BYTES]  # after off_memory, the file is on a block again
+    pieces = [os.urandom(ALIGN), on_block, b"tail", on_block, os.urandom(ALIGN - 204), off_memory, smallest]
     done = write(tmp_path / "f", pieces, direct=direct)
     data = b"".join(bytes(piece) for piece in pieces)
     assert (tmp_path / "f").read_bytes() == data and done[0].xxh3_64 == hash_bytes(data)
     # the second large piece follows 4 bytes of tail: off a block of the file; the last is off a page of memory,
     # which only O_DIRECT minds
-    assert through == ([len(on_block)] if direct else [len(on_block), len(off_memory)])
+    assert through == ([len(on_block), THROUGH_BYTES] if direct else [len(on_block), len(off_memory), THROUGH_BYTES])
 
 
 def test_aligned_blocks_go_out_from_page_aligned_memory_itself_and_from_other_memory_through_a_buffer(

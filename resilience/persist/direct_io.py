@@ -43,6 +43,7 @@ import xxhash
 # 4 KiB covers every block size in use (512 B and 4 KiB). Linux-only flag; elsewhere, buffered writes.
 ALIGN = 4096
 CHUNK = 8 << 20
+THROUGH_BYTES = 1 << 20  # a write this large, on a block of the file and of memory, goes out from where it is
 _SMALLEST_READ = 64 << 10  # a direct reader's smallest read: small reads in a row still come in few calls
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -119,7 +120,7 @@ class HashedFileStream(io.IOBase):
         count = len(view)
         taken = 0
         try:
-            if count >= CHUNK and self._fill % ALIGN == 0 and (not self._direct or _address(view) % ALIGN == 0):
+            if count >= THROUGH_BYTES and not self._fill % ALIGN and (not self._direct or not _address(view) % ALIGN):
                 taken = self._write_through(view)
             while taken < count:
                 step = min(count - taken, CHUNK - self._fill)

@@ -20,11 +20,12 @@ from typing import IO, cast
 import numpy as np
 import torch
 
-from resilience.persist.direct_io import ALIGN, aligned_storages
+from resilience.persist.direct_io import ALIGN, THROUGH_BYTES, aligned_storages
 
-SMALL_BYTES = 1 << 20
+SMALL_BYTES = THROUGH_BYTES
 """Larger tensors go through ``torch.save``: their record's cost is their bytes, and a probe would allocate and
-save two tensors of their size."""
+save two tensors of their size. Their entries start on a block, and their storages are written from where they
+are (:data:`~resilience.persist.direct_io.THROUGH_BYTES`)."""
 
 _Kind = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], str]
 _pairs: dict[_Kind, tuple[bytes, bytes] | None] = {}
