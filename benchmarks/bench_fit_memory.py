@@ -5,14 +5,17 @@
 of saving: a fit's peak depends on the memory earlier fits left in the process (the no-save fit's peak moves by
 gigabytes from round to round), and resident sizes count a page shared by two processes once per process or not
 at all, depending on who maps it. Here each variant runs one fit in a fresh process (the same fit as the
-``added`` modes: ``bench_lightning.added_fit``, ``bench_accelerate.added_run``), and every 0.2 s the kernel's PSS
-of the training process and of every process it started is read from ``/proc/<pid>/smaps_rollup``: each page
-counts once, split among the processes that map it, so the sum is the memory the run holds. Reading PSS walks
-every page table (about 25 ms per GB resident), which is why the timed benchmarks do not.
+``added`` modes: ``bench_lightning.added_fit``, ``bench_accelerate.added_run``), and every 0.2 s the memory of the
+training process and of every process it started is read from ``/proc/<pid>/smaps``. Private and copy-on-write
+pages count by the kernel's proportional set size (PSS): each page once, split among the processes that map it.
+Shared-memory segments (staging buffers: ours, DCP's stager's) count once each, by inode, at the largest resident
+size any process maps of them, not by PSS: the processes are read one after another, and a segment mapped or
+dropped in between (a helper that maps a save's buffers, then ends) would count up to twice by PSS. Reading
+``smaps`` walks every page table (about 25 ms per GB resident), which is why the timed benchmarks do not.
 
 The report gives each variant's peak sum, what it adds to the fit without saves, and where that peak's memory
-was: the training process (its anonymous memory and its share of shared memory) and every other process (the
-helper processes of ours, DCP's checkpoint process, the resource tracker).
+was: shared-memory segments, the training process's other memory, and every other process's (the helper processes of
+ours, DCP's checkpoint process, the resource tracker).
 
     .venv/bin/python -m benchmarks.bench_fit_memory [--frameworks lightning accelerate] [--size-gb 1.6]
         [--variants ours-async ours-sync dcp-process floor] [--steps 16] [--every 4] [--repeats 1]
@@ -32,19 +35,25 @@ import psutil
 from benchmarks.common import Report, emit, parse, parser, run_worker, scratch, width_for
 
 GIB = 2**30
-FIELDS = ("Pss", "Pss_Anon", "Pss_Shmem", "Pss_File")
+SHARED_PATHS = ("/dev/shm/", "/memfd:", "/dev/zero", "/SYSV")  # tmpfs and shared anonymous mappings
 DEFAULT_VARIANTS = ["ours-async", "ours-sync", "dcp-process", "floor"]
 
 
-def rollup(pid: int) -> dict[str, int]:
-    """The PSS fields of ``/proc/<pid>/smaps_rollup``, in bytes."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as lines:
+def memory(pid: int, segments: dict[tuple[str, str], int]) -> int:
+    """Bytes of process ``pid`` by PSS, shared-memory segments left out; each segment's resident bytes in this
+    process go into ``segments`` (by device and inode), where the largest reading is kept."""
+    total, shared = 0, None
+    with open(f"/proc/{pid}/smaps") as lines:
         for line in lines:
-            key, _, rest = line.partition(":")
-            if key in FIELDS:
-                fields[key] = int(rest.split()[0]) * 1024
-    return fields
+            fields = line.split()
+            if fields and not fields[0].endswith(":"):  # a mapping's header: range perms offset dev inode path
+                path = fields[5] if len(fields) > 5 else ""
+                shared = (fields[3], fields[4]) if "s" in fields[1] and path.startswith(SHARED_PATHS) else None
+            elif fields[0] == "Rss:" and shared is not None:
+                segments[shared] = max(segments.get(shared, 0), int(fields[1]) * 1024)
+            elif fields[0] == "Pss:" and shared is None:
+                total += int(fields[1]) * 1024
+    return total
 
 
 def role(process: psutil.Process) -> str:
@@ -60,8 +69,8 @@ def role(process: psutil.Process) -> str:
 
 
 class ProportionalPeak:
-    """While entered, sums the PSS of this process and its descendants every ``interval_s`` and keeps the
-    highest sum with its split by process role."""
+    """While entered, sums the memory of this process and its descendants every ``interval_s`` (:func:`memory`)
+    and keeps the highest sum with its split."""
 
     def __init__(self, interval_s: float = 0.2) -> None:
         self._process = psutil.Process()
@@ -71,16 +80,18 @@ class ProportionalPeak:
         self.peak: dict[str, Any] = {"total": 0}
 
     def read(self) -> dict[str, Any]:
-        """One sample: the total PSS, the training process's fields, and each other role's PSS."""
-        sample: dict[str, Any] = {"total": 0, "training": rollup(self._process.pid), "others": {}}
-        sample["total"] = sample["training"]["Pss"]
+        """One sample: the total, the shared-memory segments', the training process's other memory, and each
+        other role's."""
+        segments: dict[tuple[str, str], int] = {}
+        sample: dict[str, Any] = {"training": memory(self._process.pid, segments), "others": {}}
         for child in self._process.children(recursive=True):
             try:
-                pss, name = rollup(child.pid)["Pss"], role(child)
+                own, name = memory(child.pid, segments), role(child)
             except (OSError, psutil.Error):  # ended between the listing and the read
                 continue
-            sample["others"][name] = sample["others"].get(name, 0) + pss
-            sample["total"] += pss
+            sample["others"][name] = sample["others"].get(name, 0) + own
+        sample["shared"] = sum(segments.values())
+        sample["total"] = sample["training"] + sample["shared"] + sum(sample["others"].values())
         return sample
 
     def _run(self) -> None:
@@ -144,17 +155,17 @@ def table(report: Report, framework: str, peaks: dict[str, list[dict[str, Any]]]
     for variant in peaks:
         total = median(variant, lambda s: s["total"])
         row = [variant, f"{total:.2f}", "-" if variant == "no-saves" else f"{total - base:+.2f}"]
-        row += [f"{median(variant, lambda s, f=f: s['training'].get(f, 0)):.2f}" for f in ("Pss_Anon", "Pss_Shmem")]
+        row += [f"{median(variant, lambda s, f=f: s[f]):.2f}" for f in ("shared", "training")]
         row += [f"{median(variant, lambda s, r=r: s['others'].get(r, 0)):.2f}" for r in roles]
         rows.append(row)
     report.add(f"**{framework}**")
     report.table(
         [
             "variant",
-            "peak PSS, all processes",
+            "peak, all processes",
             "added by saving",
-            "training: anonymous",
-            "training: shared memory",
+            "shared-memory segments",
+            "training, other",
             *roles,
         ],
         rows,
@@ -173,7 +184,7 @@ def main() -> None:
         worker(*args.worker, args)
         return
     report = Report(
-        "Peak host memory of a whole fit, by PSS, one fresh process per fit",
+        "Peak host memory of a whole fit, one fresh process per fit",
         f"8 x Linear(w, w) + Adam, w = {width_for(args.size_gb)} (about {args.size_gb} GB); {args.steps} steps, "
         f"a save every {args.every}; {args.repeats} round(s); GiB, medians",
     )
