@@ -20,7 +20,7 @@ from resilience.errors import CheckpointError
 from resilience.formats import export
 from resilience.formats.names import NameWriter, repaired_writer
 from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer, share_server
-from resilience.persist.helper import call_in_helper
+from resilience.persist.helper import HelperPipeline, call_in_helper
 from tests.helpers import ROOT, WORKERS, base_env
 from tests.workers.name_then_killed import state as killed_state
 
@@ -135,9 +135,52 @@ def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkey
     state = {"w": torch.randn(300, 100)}
     with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt")) as manager:
         handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
-        names = NameWriter(manager.local, off_process=True)
+        names = NameWriter(manager.local, off_process=call_in_helper)
         names.add(str(tmp_path / "out" / "last.ckpt"), 3, ["state_dict"], handle, run_id=None).result()
     loaded = torch.load(tmp_path / "out" / "last.ckpt", weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], state["w"])
+
+
+def test_a_name_is_written_by_the_ranks_helper_beside_its_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not by a helper forked for it: each would copy pages of the server's interpreter and import what it needs anew.
+    pid_file, name = tmp_path / "writer.pid", tmp_path / "out" / "last.ckpt"
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
+    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", f"pid:{pid_file}")
+    state = {"w": torch.randn(300, 100)}
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="process")) as manager:
+        names = repaired_writer(manager)
+        assert names is not None
+        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
+        names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
+        helper = manager.pipeline
+        assert isinstance(helper, HelperPipeline) and helper.pid is not None
+        assert int(pid_file.read_text()) == helper.pid != os.getpid()
+    loaded = torch.load(name, weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], state["w"])
+
+
+def test_a_name_whose_helper_is_ended_mid_file_is_written_again_in_a_helper_forked_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As when every rank's helper is restarted after a peer was lost: the name must not wait for the next start.
+    died, name = tmp_path / "died", tmp_path / "out" / "last.ckpt"
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
+    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", f"die-once:{died}")
+    state = {"w": torch.randn(300, 100)}
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="process")) as manager:
+        names = repaired_writer(manager)
+        assert names is not None
+        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
+        first = manager.pipeline
+        names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
+        assert died.exists() and isinstance(first, HelperPipeline) and first.died is not None
+        assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the ended writer's temporary file stays behind"
+        later = manager.save(4, {"state_dict": state}, extra={"adapter": "lightning"})  # with a new helper
+        assert later is not None and later.committed.result().step == 4
+        assert manager.pipeline is not first
+    loaded = torch.load(name, weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], state["w"])
 
 
@@ -150,14 +193,14 @@ def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_
     name = tmp_path / "out" / "last.ckpt"
     with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt")) as manager:
         handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
-        names = NameWriter(manager.local, off_process=True)
+        names = NameWriter(manager.local, off_process=call_in_helper)
         with pytest.raises(CheckpointError, match="died before it finished"):
             names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
         assert not name.exists()  # never half a file at the name: the helper died inside its temporary file
         (leftover,) = name.parent.glob(".last.ckpt.tmp-*")
         _wait_until_gone(int(leftover.name.split("-")[-2]))  # its connection closes before it has quite exited
         monkeypatch.setenv("TEST_NAME_WRITER_DRILL", "")
-        again = NameWriter(manager.local, off_process=True)  # the next start: the record says it is unwritten
+        again = NameWriter(manager.local, off_process=call_in_helper)  # the next start: the record says it is unwritten
         again.repair(manager.committed_steps())
         assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the dead writer's temporary file stays behind"
         pending = again.pending(str(name))

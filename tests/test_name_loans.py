@@ -34,7 +34,8 @@ def _zero_in_shards(step_dir: Path, tensor: torch.Tensor) -> None:
 
 def _names_held_back(manager: CheckpointManager, *, off_process: bool, lend: bool) -> tuple[NameWriter, SaveHandle]:
     """A writer whose queue waits behind a name of a save that never commits, until the handle returned fails."""
-    names = NameWriter(manager.local, off_process=off_process, lend=manager.lend_staged if lend else None)
+    run = manager.call_off_process if off_process else None
+    names = NameWriter(manager.local, off_process=run, lend=manager.lend_staged if lend else None)
     blocker = SaveHandle(0)  # not the manager's: nothing is lent for it, and it commits when the test says
     names.add(str(Path(manager.local.root).parent / "blocker.ckpt"), 0, ["state_dict"], blocker, run_id=None)
     return names, blocker

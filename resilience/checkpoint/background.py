@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from resilience.checkpoint.claim import RootClaim
 from resilience.checkpoint.save_events import SaveEvents
@@ -18,11 +18,20 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Groups
 from resilience.errors import CheckpointError
 from resilience.persist import PersistPipeline
-from resilience.persist.helper import HelperPipeline, HelperSettings, helper_log_level, helper_preload, start_store
+from resilience.persist.helper import (
+    HelperGone,
+    HelperPipeline,
+    HelperSettings,
+    call_in_helper,
+    helper_log_level,
+    helper_preload,
+    start_store,
+)
 from resilience.persist.pipeline import Pipeline
 from resilience.storage.tiers import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Background:
@@ -118,6 +127,19 @@ class Background:
             self.stop()
         else:
             self.pipeline.close(0)
+
+    def call(self, function: Callable[[], T]) -> T:
+        """``function()`` (picklable) run off the training process, and waited for. In this rank's helper, beside
+        its saves: no process to fork and no interpreter's pages to copy again. Where none runs (threads, or at
+        rest) or it ends before it answers (killed for a restart), in a helper forked for the call, so
+        ``function`` must be safe to run again (a name's write is: its file is whole or absent)."""
+        pipeline = self.pipeline
+        if isinstance(pipeline, HelperPipeline) and not self.resting:
+            try:
+                return cast(T, pipeline.call(function))
+            except HelperGone as gone:
+                log.info("%s; running it in a helper forked for it", gone)
+        return cast(T, call_in_helper(function))
 
     def _check_helpers(self) -> None:
         """A helper died on some rank: every rank restarts its own (a new group), or all raise (collective)."""

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
@@ -47,6 +47,7 @@ from resilience.storage.peer_copies import Address, link_nodes
 from resilience.storage.tiers import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -338,6 +339,11 @@ class CheckpointManager:
         files just written from them (a name's writer); it must still wait for ``handle.committed``.
         """
         return None if self._closed else self._staging_area.lend(handle)
+
+    def call_off_process(self, function: Callable[[], T]) -> T:
+        """``function()`` run off the training process and waited for (picklable, and safe to run twice): in this
+        rank's helper process, or in one forked for it (:meth:`Background.call`)."""
+        return self._background.call(function)
 
     def wait_for_staging(self) -> None:
         """With ``async_staging``: return once the state may be changed again (call before ``optimizer.step()``)."""

@@ -79,9 +79,10 @@ class NameWriter:
     Args:
         local: The engine's local tier (the step directories are read from it).
         allow_pickle: Whether a name rewritten after a restart may unpickle what its step holds.
-        off_process: Write each name's file in a helper process forked for it (the engine's
-            ``persist="process"``): reading the step back and serialising it would otherwise compete with the
-            training thread for the interpreter lock. This thread only waits for it.
+        off_process: Runs a name's write in another process and waits for it (the engine's
+            ``persist="process"``: :meth:`CheckpointManager.call_off_process`, the rank's helper), or None:
+            here. Serialising the state and reading back what the staging buffers do not hold would otherwise
+            compete with the training thread for the interpreter lock; this thread only waits.
         lend: The staged tensors of a save, lent until given back (the manager's ``lend_staged``), or None.
     """
 
@@ -90,7 +91,7 @@ class NameWriter:
         local: LocalTier,
         *,
         allow_pickle: bool = False,
-        off_process: bool = False,
+        off_process: Callable[[Callable[[], None]], None] | None = None,
         lend: Callable[[SaveHandle], Loan | None] | None = None,
     ):
         self.local = local
@@ -239,7 +240,7 @@ class NameWriter:
                 )
             else:
                 held: Mapping[str, torch.Tensor] | None = loan.tensors if loan is not None else None
-                if loan is not None and self.off_process:
+                if loan is not None and self.off_process is not None:
                     held = loan.by_segment()  # mapped by the helper; None: not in shared memory, read back
                 write = functools.partial(
                     write_name,
@@ -253,10 +254,10 @@ class NameWriter:
                     storage_options=self._options.get(name.path),
                     held=held,
                 )
-                if self.off_process:
-                    from resilience.persist.helper import call_in_helper  # imports torch.distributed: only when used
-
-                    call_in_helper(write)
+                if self.off_process is not None:
+                    self.off_process(write)  # again elsewhere, if the helper was ended mid-file:
+                    for leftover in remove_stale_temporaries(name.path):  # its temporary file stays behind
+                        log.info("removed %s, left by a writer of %s that was ended mid-file", leftover, name.path)
                 else:
                     write()
         except BaseException:
@@ -298,7 +299,7 @@ def repaired_writer(manager: CheckpointManager) -> NameWriter | None:
     names = NameWriter(
         manager.local,
         allow_pickle=manager.config.allow_pickle,
-        off_process=manager.config.persist == "process",
+        off_process=manager.call_off_process if manager.config.persist == "process" else None,
         lend=manager.lend_staged,
     )
     names.repair(manager.committed_steps())

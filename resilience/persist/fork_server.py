@@ -46,10 +46,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from resilience.errors import CheckpointError, describe
+from resilience.errors import CheckpointError
 from resilience.health.signals import STOP_SIGNALS
 from resilience.persist import sibling_file
-from resilience.persist.helper_process import pickled_error, serve_pipeline
+from resilience.persist.helper_process import call_result, serve_pipeline
 from resilience.storage.processes import process_parent, process_start_ticks
 
 # What a client sends the fork server first: which kind of helper it connects to.
@@ -447,11 +447,7 @@ def _become(origin: Inherited) -> None:
 
 def _call_main(conn: Connection, call: Call) -> None:
     """Run one :class:`Call` and send back its result or its exception."""
-    try:
-        result = ("ok", call.function(*call.args, **call.kwargs))
-    except BaseException as exc:
-        result = ("error", (pickled_error(exc), describe(exc)))
-    conn.send(result)
+    conn.send(call_result(call.function, *call.args, **call.kwargs))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ unchanged: every rank's helper writes its files, the helpers agree, the local le
 A helper that dies fails the saves it held (nothing half-written is ever committed: the manifest comes last, after
 every helper agreed); the next save says so, and restarts every rank's helper or stops training, as configured.
 
-:func:`call_in_helper` runs one function in a helper forked for it (how rank 0 writes framework-named files).
-Helpers are forked by :mod:`resilience.persist.fork_server`, in milliseconds.
+A rank's helper also runs functions the training process sends it (:meth:`HelperPipeline.call`: how rank 0 writes
+framework-named files), beside its saves; :func:`call_in_helper` runs one in a helper forked for it, where the
+rank has none. Helpers are forked by :mod:`resilience.persist.fork_server`, in milliseconds.
 
 Modules named in ``RESILIENCE_HELPER_PRELOAD`` (comma-separated) are imported by every helper as it starts: the
 way to instrument the persist path (a tracer, a profiler, a fault drill), which no longer runs in the training
@@ -22,13 +23,14 @@ process. They find the training process's pid in ``RESILIENCE_HELPER_PARENT_PID`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-import pickle
 import signal
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -44,13 +46,17 @@ from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.persist import Failures, PersistPipeline
 from resilience.persist.fork_server import CALL, CONNECT_TIMEOUT_S, PIPELINE, Call, ForkServer, Inherited, connect
-from resilience.persist.helper_process import unpickled_error
+from resilience.persist.helper_process import returned, unpickled_error
 from resilience.persist.worker import Worker
 
 if TYPE_CHECKING:
     from resilience.persist.pipeline import WriteJob
 
 log = logging.getLogger(__name__)
+
+
+class HelperGone(CheckpointError):
+    """A call to a rank's helper got no answer: the helper was not there, or ended first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +99,9 @@ class HelperPipeline(PersistPipeline):
         self._send_lock = threading.Lock()  # also orders a kill with the connection: see kill()
         self._killed = False
         self._handles: dict[int, SaveHandle] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._call_numbers = itertools.count()
+        self._ended = False  # the reader has ended: no answer to a call comes any more
         self._sent_buffers: dict[str, SegmentRef] = {}
         self._closed = threading.Event()
         # The helper is connected in the background: the fork server's interpreter takes seconds to import torch,
@@ -119,6 +128,36 @@ class HelperPipeline(PersistPipeline):
     def retain(self) -> None:
         with contextlib.suppress(OSError):  # no helper: its death is reported by the reader
             self._send(("retain", sorted(self._protected_steps())))
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """``function()`` (picklable) run in the helper, in a thread beside its saves, and waited for: its result,
+        or its exception raised here. Raises :class:`HelperGone` if the helper is not there, or ends (dies, is
+        killed, closes) before it answers: whether ``function`` ran, wholly or partly, is then unknown."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._ended or self.died is not None:
+                raise HelperGone(f"the checkpoint helper process is gone ({self.died or 'closed'})")
+            number = next(self._call_numbers)
+            self._calls[number] = future
+        try:
+            self._send(("call", number, function))
+        except OSError as exc:
+            self._answered(number, HelperGone(f"the checkpoint helper process is not there ({exc})"))
+        return future.result()
+
+    def _answered(self, number: int, answer: Any) -> None:
+        """Resolve call ``number`` with ``answer``: a :class:`HelperGone`, or what :func:`call_result` sent."""
+        with self._lock:
+            future = self._calls.pop(number, None)
+        if future is None:
+            return
+        if isinstance(answer, HelperGone):
+            future.set_exception(answer)
+            return
+        try:
+            future.set_result(returned(*answer))
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def close(self, timeout: float | None = None) -> bool:
         """Let the helper finish what it was given, then end it; False if it did not within ``timeout``."""
@@ -198,8 +237,12 @@ class HelperPipeline(PersistPipeline):
 
     def _read(self) -> None:
         conn = self._connect()
-        if conn is None:
-            return
+        if conn is not None:
+            self._receive(conn)
+        self._end_calls()
+
+    def _receive(self, conn: Connection) -> None:
+        """Pass on what the helper sends, until its connection ends; if it did not close, it died."""
         while True:
             try:
                 message = conn.recv()
@@ -214,11 +257,22 @@ class HelperPipeline(PersistPipeline):
                 self.failures.add(unpickled_error(message[1]))
             elif kind in ("committed", "durable"):
                 self._resolve(kind, message[1], message[2], message[3])
+            elif kind == "called":
+                self._answered(message[1], message[2:])
             elif kind == "closed":
                 self._closed.set()
         if not self._closed.is_set():
             ended = "was ended" if self._killed else "died"  # ended: for a survivor save or a restart
             self._helper_died(f"the checkpoint helper process (pid {self.pid}) {ended}")
+
+    def _end_calls(self) -> None:
+        """No answer comes any more: the calls still waiting for one fail, and later calls at once."""
+        with self._lock:
+            self._ended = True
+            waiting = list(self._calls)
+        why = self.died or "it closed"
+        for number in waiting:
+            self._answered(number, HelperGone(f"the checkpoint helper process ended before it answered ({why})"))
 
     def _resolve(self, kind: str, step: int, result: Any, timings: dict[str, float] | None) -> None:
         with self._lock:
@@ -294,14 +348,7 @@ def call_in_helper(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
             ) from None
     finally:
         conn.close()
-    if kind == "error":
-        data, text = payload
-        try:
-            error = pickle.loads(data)
-        except Exception:  # an exception type whose arguments do not survive pickling
-            error = CheckpointError(text)
-        raise error
-    return payload
+    return returned(kind, payload)
 
 
 def helper_log_level() -> int:

@@ -25,6 +25,7 @@ from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.checkpoint.staging import SegmentRef, StagingJob, attach
 from resilience.dist import Groups
 from resilience.errors import CheckpointError, describe
+from resilience.persist.worker import Worker
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -59,6 +60,7 @@ def serve_pipeline(conn: Connection, settings: HelperSettings) -> None:
     _join_helpers(settings)
     protected: set[int] = set()
     pipeline = _pipeline(settings, send, lambda: set(protected))
+    calls = Worker("resilience-helper-calls", lambda queue: _answer_next(calls, send))
     buffers: dict[str, torch.Tensor] = {}
     mapped: dict[str, torch.Tensor] = {}
     while True:
@@ -74,14 +76,46 @@ def serve_pipeline(conn: Connection, settings: HelperSettings) -> None:
         elif kind == "write":
             spec, keys, protected = message[1], message[2], set(message[3])
             pipeline.submit(_job(spec, {k: buffers[k] for k in keys}, send))
+        elif kind == "call":  # beside the saves, in a thread of its own: a name's write, after its step's commit
+            calls.put(message[1:])
         elif kind == "retain":
             protected = set(message[1])
             pipeline.close()
             pipeline.retain()
         elif kind == "close":
+            calls.join(None)
             pipeline.close()
             send(("closed",))
             return
+
+
+def _answer_next(calls: Worker, send: Send) -> None:
+    """Run the next function the training process sent, and send back what it returned or raised."""
+    with calls.cond:
+        number, function = calls.items.pop(0)
+    send(("called", number, *call_result(function)))
+
+
+def call_result(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """``function(*args, **kwargs)``'s result as it crosses back: ("ok", result), or ("error", (the pickled
+    exception, its description)) (:func:`returned` takes it apart)."""
+    try:
+        return "ok", function(*args, **kwargs)
+    except BaseException as exc:
+        return "error", (pickled_error(exc), describe(exc))
+
+
+def returned(kind: str, payload: Any) -> Any:
+    """The result :func:`call_result` sent, or its exception raised (as a :class:`CheckpointError` with its
+    description, where the exception's type does not unpickle)."""
+    if kind != "error":
+        return payload
+    data, text = payload
+    try:
+        error = pickle.loads(data)
+    except Exception:  # an exception type whose arguments do not survive pickling
+        error = CheckpointError(text)
+    raise error
 
 
 def _join_helpers(settings: HelperSettings) -> None:

@@ -164,7 +164,8 @@ def main() -> None:
                     lent.extend(loan.tensors if loan is not None else [])
                     return loan
 
-                names = NameWriter(manager.local, off_process=os.environ["TEST_PERSIST"] == "process", lend=lend)
+                run = manager.call_off_process if os.environ["TEST_PERSIST"] == "process" else None
+                names = NameWriter(manager.local, off_process=run, lend=lend)
                 path = os.path.join(args[0], "..", "names", "step1.ckpt")
                 names.add(path, 1, ["state_dict"], handle, run_id=None).result()
                 loaded = torch.load(path, weights_only=True)["state_dict"]
