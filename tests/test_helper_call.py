@@ -4,11 +4,13 @@ never a silent success."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -19,6 +21,7 @@ from resilience import CheckpointConfig, CheckpointManager
 from resilience.errors import CheckpointError
 from resilience.formats import export
 from resilience.formats.names import NameWriter, repaired_writer
+from resilience.persist import PersistPipeline
 from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer, share_server
 from resilience.persist.helper import HelperPipeline, call_in_helper
 from tests.helpers import ROOT, WORKERS, base_env
@@ -141,24 +144,35 @@ def test_a_name_written_off_process_is_the_committed_step(tmp_path: Path, monkey
     assert torch.equal(loaded["state_dict"]["w"], state["w"])
 
 
+@contextlib.contextmanager
+def _drilled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drill: str) -> Iterator[CheckpointManager]:
+    """A manager whose helpers, forked or not, run ``drill`` of ``tests/workers/name_writer_drill.py``."""
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
+    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", drill)
+    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="process")) as manager:
+        yield manager
+
+
+def _name_step_3(manager: CheckpointManager, name: Path, state: dict[str, torch.Tensor]) -> PersistPipeline:
+    """Save ``state`` as step 3 and have rank 0's writer name it ``name``; the pipeline the save went to."""
+    names = repaired_writer(manager)
+    assert names is not None
+    handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
+    pipeline = manager.pipeline
+    names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
+    return pipeline
+
+
 def test_a_name_is_written_by_the_ranks_helper_beside_its_saves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Not by a helper forked for it: each would copy pages of the server's interpreter and import what it needs anew.
-    pid_file, name = tmp_path / "writer.pid", tmp_path / "out" / "last.ckpt"
-    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
-    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", f"pid:{pid_file}")
-    state = {"w": torch.randn(300, 100)}
-    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="process")) as manager:
-        names = repaired_writer(manager)
-        assert names is not None
-        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
-        names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
-        helper = manager.pipeline
+    pid_file, name, state = tmp_path / "writer.pid", tmp_path / "out" / "last.ckpt", {"w": torch.randn(300, 100)}
+    with _drilled(tmp_path, monkeypatch, f"pid:{pid_file}") as manager:
+        helper = _name_step_3(manager, name, state)
         assert isinstance(helper, HelperPipeline) and helper.pid is not None
         assert int(pid_file.read_text()) == helper.pid != os.getpid()
-    loaded = torch.load(name, weights_only=True)
-    assert torch.equal(loaded["state_dict"]["w"], state["w"])
+    assert torch.equal(torch.load(name, weights_only=True)["state_dict"]["w"], state["w"])
 
 
 def test_a_name_whose_helper_is_ended_mid_file_is_written_again_in_a_helper_forked_for_it(
@@ -166,22 +180,16 @@ def test_a_name_whose_helper_is_ended_mid_file_is_written_again_in_a_helper_fork
 ) -> None:
     # As when every rank's helper is restarted after a peer was lost: the name must not wait for the next start.
     died, name = tmp_path / "died", tmp_path / "out" / "last.ckpt"
-    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.name_writer_drill")
-    monkeypatch.setenv("TEST_NAME_WRITER_DRILL", f"die-once:{died}")
-    state = {"w": torch.randn(300, 100)}
-    with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", persist="process")) as manager:
-        names = repaired_writer(manager)
-        assert names is not None
-        handle = manager.save(3, {"state_dict": state}, extra={"adapter": "lightning"})
-        first = manager.pipeline
-        names.add(str(name), 3, ["state_dict"], handle, run_id=None).result()
-        assert died.exists() and isinstance(first, HelperPipeline) and first.died is not None
+    with _drilled(tmp_path, monkeypatch, f"die-once:{died}") as manager:
+        state = {"w": torch.randn(300, 100)}
+        first = _name_step_3(manager, name, state)
+        assert died.exists(), "the drill did not end the helper mid-file"
+        assert isinstance(first, HelperPipeline) and first.died is not None
         assert not list(name.parent.glob(".last.ckpt.tmp-*")), "the ended writer's temporary file stays behind"
         later = manager.save(4, {"state_dict": state}, extra={"adapter": "lightning"})  # with a new helper
         assert later is not None and later.committed.result().step == 4
         assert manager.pipeline is not first
-    loaded = torch.load(name, weights_only=True)
-    assert torch.equal(loaded["state_dict"]["w"], state["w"])
+    assert torch.equal(torch.load(name, weights_only=True)["state_dict"]["w"], state["w"])
 
 
 def test_a_name_writer_killed_mid_file_leaves_no_name_and_the_next_start_writes_it(
