@@ -1,9 +1,9 @@
 """Fault drills for the helper process writing a Lightning name, imported through ``RESILIENCE_HELPER_PRELOAD``
-by the helper forked to write it, chosen by ``TEST_NAME_WRITER_DRILL``:
+by every helper (the rank's own, which writes names, and any forked for one), chosen by ``TEST_NAME_WRITER_DRILL``:
 
 - ``die``: kill itself after the first bytes of a record are in the file, as a kill -9 mid-write would;
 - ``die-once:<file>``: the same in the first helper to write a record (it creates ``<file>``), not in later ones;
-- ``pid:<file>``: write the pid of the process writing a name's first record to ``<file>``, and go on;
+- ``pid:<file>``: write to ``<file>`` the pid of the process writing a name's records (at each), and go on;
 - ``hang:<file>``: after the first record written from memory (a name made from its step's lent staging
   buffers), write its pid to ``<file>`` and hang, so that a test can kill the training process then. A record
   read back from the step's shards is an error here: the drill is of a name written from memory.
