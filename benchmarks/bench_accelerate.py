@@ -140,8 +140,14 @@ def seconds(values: list[float]) -> str:
 
 
 def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, every: int) -> Sample:
-    """One training loop of ``steps`` steps saving every ``every``: wall and CPU seconds, saves made."""
-    directory = Path(tempfile.mkdtemp(prefix="added-", dir=root))
+    """One training loop of ``steps`` steps saving every ``every``: wall and CPU seconds, saves made.
+
+    Under a launcher (``WORLD_SIZE`` over 1) every rank saves into ``root`` itself, which the caller gives each
+    run afresh and removes: one job's ranks write one checkpoint."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        directory = root
+    else:
+        directory = Path(tempfile.mkdtemp(prefix="added-", dir=root))
     width = model[0].in_features
     accelerator = Accelerator(
         cpu=True, project_config=ProjectConfiguration(project_dir=str(directory), automatic_checkpoint_naming=True)
@@ -194,7 +200,8 @@ def added_run(model: torch.nn.Module, variant: str, root: Path, steps: int, ever
     accelerator.free_memory()
     del accelerator, optimizer, net, data, resilience, dcp
     gc.collect()
-    shutil.rmtree(directory, ignore_errors=True)
+    if directory != root:  # else the caller's, once every rank is done
+        shutil.rmtree(directory, ignore_errors=True)
     return {"wall": wall, "cpu": cpu, "saves": saves, "trained": trained, **memory.sample()}
 
 

@@ -17,14 +17,20 @@ The report gives each variant's peak sum, what it adds to the fit without saves,
 was: shared-memory segments, the training process's other memory, and every other process's (the helper processes of
 ours, DCP's checkpoint process, the resource tracker).
 
+``--processes 2`` runs each fit as one job of 2 ranks (DDP on CPU, Accelerate's loop, started by torchrun), each
+holding the whole state, as ranks on one node do; the job's processes, launcher included, are sampled from outside.
+
     .venv/bin/python -m benchmarks.bench_fit_memory [--frameworks lightning accelerate] [--size-gb 1.6]
-        [--variants ours-async ours-sync dcp-process floor] [--steps 16] [--every 4] [--repeats 1]
+        [--variants ours-async ours-sync dcp-process floor] [--steps 16] [--every 4] [--repeats 1] [--processes 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -32,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import Report, emit, parse, parser, run_worker, scratch, width_for
+from benchmarks.common import ROOT, Report, emit, parse, parser, run_worker, scratch, width_for, worker_env
 
 GIB = 2**30
 SHARED_PATHS = ("/dev/shm/", "/memfd:", "/dev/zero", "/SYSV")  # tmpfs and shared anonymous mappings
@@ -66,7 +72,7 @@ def memory(pid: int, segments: dict[tuple[str, str], int]) -> int:
 
 
 def role(process: psutil.Process) -> str:
-    """What a process of the run is, from its command line."""
+    """What a process of the run is, from its command line (a training process runs this module's worker)."""
     command = " ".join(process.cmdline())
     if "resource_tracker" in command:
         return "resource tracker"
@@ -74,31 +80,38 @@ def role(process: psutil.Process) -> str:
         return "ours: fork server or helper"
     if "spawn_main" in command:
         return "DCP's checkpoint process"
+    if "torch.distributed.run" in command:  # before the ranks: its command line holds theirs
+        return "launcher"
+    if "--worker" in command:
+        return "training"
     return "other"
 
 
 class ProportionalPeak:
-    """While entered, sums the memory of this process and its descendants every ``interval_s`` (:func:`memory`)
-    and keeps the highest sum with its split."""
+    """While entered, sums the memory of process ``pid`` (default: this one) and its descendants every
+    ``interval_s`` (:func:`memory`) and keeps the highest sum with its split."""
 
-    def __init__(self, interval_s: float = 0.2) -> None:
-        self._process = psutil.Process()
+    def __init__(self, pid: int | None = None, interval_s: float = 0.2) -> None:
+        self._process = psutil.Process(pid)
         self._interval = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-pss", daemon=True)
         self.peak: dict[str, Any] = {"total": 0}
 
     def read(self) -> dict[str, Any]:
-        """One sample: the total, the shared-memory segments', the training process's other memory, and each
+        """One sample: the total, the shared-memory segments', the training processes' other memory, and each
         other role's."""
         segments: dict[tuple[str, str], int] = {}
-        sample: dict[str, Any] = {"training": memory(self._process.pid, segments), "others": {}}
-        for child in self._process.children(recursive=True):
+        sample: dict[str, Any] = {"training": 0, "others": {}}
+        for process in [self._process, *self._process.children(recursive=True)]:
             try:
-                own, name = memory(child.pid, segments), role(child)
+                own, name = memory(process.pid, segments), role(process)
             except (OSError, psutil.Error):  # ended between the listing and the read
                 continue
-            sample["others"][name] = sample["others"].get(name, 0) + own
+            if name == "training":
+                sample["training"] += own
+            else:
+                sample["others"][name] = sample["others"].get(name, 0) + own
         sample["shared"] = sum(segments.values())
         sample["total"] = sample["training"] + sample["shared"] + sum(sample["others"].values())
         return sample
@@ -119,7 +132,16 @@ class ProportionalPeak:
 
 
 def worker(framework: str, variant: str, args: argparse.Namespace) -> None:
-    """One fit of ``variant`` in this fresh process; emits its peak PSS sample."""
+    """One fit of ``variant`` in this fresh process; emits its peak PSS sample. One rank of several (``--processes``,
+    Accelerate): the loop alone, each rank ``--steps`` steps, sampled from the benchmark's process."""
+    if args.processes > 1:
+        from benchmarks import bench_accelerate as bench
+        from benchmarks.common import LAYERS, build
+
+        model, _, _ = build(LAYERS, width_for(args.size_gb))
+        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
+        bench.added_run(model, key, Path(args.dir), args.steps * args.processes, args.every)  # a rank's share
+        return
     root = Path(tempfile.mkdtemp(prefix="fit-memory-", dir=args.dir))
     if framework == "lightning":
         from benchmarks import bench_lightning as bench
@@ -144,12 +166,34 @@ def worker(framework: str, variant: str, args: argparse.Namespace) -> None:
 
 def run(framework: str, variant: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
     options = [*("--size-gb", str(args.size_gb), "--steps", str(args.steps), "--every", str(args.every))]
+    options += ["--threads", str(args.threads), "--processes", str(args.processes)]
+    if args.processes > 1:
+        return launched(["--worker", framework, variant, *options], args.processes, directory)
     (result,), _ = run_worker(
-        "benchmarks.bench_fit_memory",
-        ["--worker", framework, variant, *options, "--dir", str(directory), "--threads", str(args.threads)],
-        timeout=900,
+        "benchmarks.bench_fit_memory", ["--worker", framework, variant, *options, "--dir", str(directory)], timeout=900
     )
     return result
+
+
+def launched(worker_args: list[str], processes: int, directory: Path) -> dict[str, Any]:
+    """The peak of one job of ``processes`` ranks on this node, started by torchrun and sampled from here: the
+    launcher, the ranks and every process under them. The job writes into a folder of its own, removed after."""
+    run_dir = Path(tempfile.mkdtemp(prefix="job-", dir=directory))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    command += ["-m", "benchmarks.bench_fit_memory", *worker_args, "--dir", str(run_dir)]
+    try:
+        with (
+            subprocess.Popen(
+                command, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            ) as job,
+            ProportionalPeak(job.pid) as peak,
+        ):
+            output, _ = job.communicate(timeout=900)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if job.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {job.returncode}:\n{output[-6000:]}")
+    return peak.peak
 
 
 def table(report: Report, framework: str, peaks: dict[str, list[dict[str, Any]]]) -> None:
@@ -187,15 +231,27 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="keys of the added modes' --variants")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--every", type=int, default=4)
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="ranks of one job on this node, DDP on CPU through torchrun, each holding the whole state and "
+        "running --steps steps (Accelerate only; default %(default)s: one fresh process per fit)",
+    )
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parse(p)
+    if args.processes > 1 and "lightning" in args.frameworks and not args.worker:
+        p.error(
+            "--processes over 1 runs Accelerate's loop only (Lightning's DDP saves through rank 0 alone, "
+            "which DCP's collective save cannot): add --frameworks accelerate"
+        )
     if args.worker:
         worker(*args.worker, args)
         return
     report = Report(
         "Peak host memory of a whole fit, one fresh process per fit",
         f"8 x Linear(w, w) + Adam, w = {width_for(args.size_gb)} (about {args.size_gb} GB); {args.steps} steps, "
-        f"a save every {args.every}; {args.repeats} round(s); GiB, medians",
+        f"a save every {args.every}; {args.processes} rank(s) on the node; {args.repeats} round(s); GiB, medians",
     )
     with scratch(args.dir, "fit-memory") as root:
         for framework in args.frameworks:
