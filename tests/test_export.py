@@ -6,8 +6,10 @@ while streaming a state several times larger than the bound, the CLI's exit code
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import zipfile
@@ -33,6 +35,7 @@ from resilience.checkpoint.tree import flatten
 from resilience.cli import EXIT_ERROR, EXIT_FAILED, EXIT_NOT_FOUND, EXIT_OK, EXIT_USAGE
 from resilience.cli import main as cli
 from resilience.formats.export import METADATA_KEY, dcp_keys, export, read_committed, remove_stale_temporaries
+from resilience.formats.torch_file import placeholder_pickling
 from resilience.storage.layout import rank_prefix
 from resilience.storage.tiers import LocalTier
 from tests.helpers import ROOT, WORKERS, base_env
@@ -413,3 +416,40 @@ def test_export_progress_counts_every_tensor_byte(tmp_path: Path) -> None:
         lines = [line for line in done.stderr.splitlines() if "tensors read for" in line]
         assert lines and lines[-1].endswith(": 1.0 MiB") and not any(line.endswith(": 0 B") for line in lines), lines
         assert "(torch, 1.0 MiB of tensors)" in done.stdout or "(safetensors, 1.0 MiB of tensors)" in done.stdout
+
+
+def test_placeholders_pickle_as_the_cpu_tensors_they_stand_for() -> None:
+    """A file written from placeholders (``meta`` tensors, no memory) must be ``torch.save``'s file of the real
+    tensors: the same pickle, byte for byte, and the same records at the same sizes. Among them a tensor saved
+    twice (one storage), a bfloat16, a uint16 (torch's newer rebuild function), a 0-d tensor and non-tensor
+    values. Should torch change how it writes a CPU tensor, this fails before a name does."""
+    weight = torch.randn(3, 4)
+    real: dict[str, Any] = {
+        "w": weight,
+        "tied": weight,
+        "h": torch.zeros(5, dtype=torch.bfloat16),
+        "u": torch.zeros(6, dtype=torch.uint16),
+        "step": torch.tensor(7),
+        "nested": [torch.ones(1, 2, 3, dtype=torch.float64), {"lr": 0.1, "name": "adam"}],
+    }
+    meta: dict[int, torch.Tensor] = {}
+
+    def placeholders_of(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return meta.setdefault(id(value), torch.empty(value.shape, dtype=value.dtype, device="meta"))
+        if isinstance(value, dict):
+            return {key: placeholders_of(item) for key, item in value.items()}
+        return [placeholders_of(item) for item in value] if isinstance(value, list) else value
+
+    stand_in = placeholders_of(real)
+    placeholders = {id(p) for p in meta.values()}
+    files = []
+    for obj, module in ((real, pickle), (stand_in, placeholder_pickling(lambda v: id(v) in placeholders))):
+        buffer = io.BytesIO()
+        with torch.serialization.skip_data():
+            torch.save(obj, buffer, pickle_module=module)
+        files.append(zipfile.ZipFile(buffer))
+    want, got = ({i.filename: i.file_size for i in f.infolist()} for f in files)
+    assert got == want and "archive/data/0" in want and "archive/data/5" not in want  # 5 storages: w is tied
+    assert files[1].read("archive/data.pkl") == files[0].read("archive/data.pkl")
+    assert b"_rebuild_tensor_v3" in files[0].read("archive/data.pkl")  # the uint16 took the newer path

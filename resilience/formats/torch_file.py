@@ -1,16 +1,17 @@
 """A ``torch.save`` file written one tensor at a time, for objects whose tensors do not fit in memory.
 
-``torch.save`` pickles the object first and then writes every storage it met, so it needs all of them in
-memory. ``torch.serialization.skip_data`` (torch 2.5 and later, a prototype API) writes the same file with
-the space for each storage left empty, and with ``materialize_fake_tensors=True`` it takes FakeTensors, which
-have no memory at all. The storages are then written into their places: the file is an ordinary zip archive
-whose record ``<archive>/data/<key>`` holds storage ``key`` in the order the pickler met them, so a dry run
-of the same pickling gives each placeholder its record, and the records' offsets and sizes come from the
-zip directory. Last, the CRC-32 of each filled record goes into its data descriptor and the central
-directory, so the file passes a zip check (``torch.load`` does not check them).
+``torch.save`` pickles the object first and then writes every storage it met, so it needs all of them in memory.
+``torch.serialization.skip_data`` (torch 2.5 and later, a prototype API) writes the same file with the space for each
+storage left empty. The object's tensors are the reader's placeholders, ``meta`` tensors with no memory at all, which
+the pickler passed to ``torch.save`` (its ``pickle_module``) writes as the CPU tensors they stand for, exactly as
+``torch.save`` writes a CPU tensor. The storages are then written into their places: the file is an ordinary zip archive
+whose record ``<archive>/data/<key>`` holds storage ``key`` in the order the pickler met them, so a dry run of the same
+pickling gives each placeholder its record, and the records' offsets and sizes come from the zip directory. Last, the
+CRC-32 of each filled record goes into its data descriptor and the central directory, so the file passes a zip check
+(``torch.load`` does not check them).
 
-What it needs: every tensor of the object is a placeholder of the :class:`StepReader` that fills it, or an
-ordinary tensor (whose bytes are written from memory). Peak memory is the reader's batch, not the object.
+What it needs: every tensor of the object is a placeholder of the :class:`StepReader` that fills it, or an ordinary
+tensor (whose bytes are written from memory). Peak memory is the reader's batch, not the object.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 import os
 import pickle
 import struct
+import types
 import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
@@ -50,6 +52,9 @@ _CENTRAL_HEADER = struct.Struct("<4s4B4HL2L5H2L")
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 _PICKLE_PROTOCOL = 2  # torch.save's default
+# The location torch.save records for a placeholder's storage (``str()`` of it): one str object, which the pickle
+# memoizes after its first use, as it does the one torch.save records for every CPU storage.
+_CPU = "cpu"
 
 
 def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
@@ -67,9 +72,10 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
     (else it is computed as the bytes go by). Nothing is unpickled into a tensor and no memory is allocated for
     one. Other tensors are read.
     """
-    with torch.serialization.skip_data(materialize_fake_tensors=True), aligned_storages():
-        torch.save(obj, stream, pickle_protocol=_PICKLE_PROTOCOL)
-        storages = _storage_order(obj)
+    pickling = placeholder_pickling(reader.is_placeholder)
+    with torch.serialization.skip_data(), aligned_storages():
+        torch.save(obj, stream, pickle_module=pickling, pickle_protocol=_PICKLE_PROTOCOL)
+        storages = _storage_order(obj, pickling.Pickler)
     stream.flush()
     records = _records(stream)
     placeholders = [reader.placeholder_of(storage) for storage in storages]
@@ -167,11 +173,40 @@ class _Record:
         self.crc = 0
 
 
-def _storage_order(obj: Any) -> list[torch.UntypedStorage]:
-    """The storages of ``obj`` in the order ``torch.save`` numbers them (its pickler's first encounters)."""
+def placeholder_pickling(is_placeholder: Callable[[Any], bool]) -> Any:
+    """A ``pickle_module`` for ``torch.save`` whose pickler writes each tensor ``is_placeholder`` accepts (on the
+    ``meta`` device) as the CPU tensor of its shape and dtype: the reduction ``torch.save`` makes of a CPU tensor
+    (``Tensor._reduce_ex_internal``), and of a FakeTensor under ``skip_data(materialize_fake_tensors=True)``,
+    with the placeholder's storage marked as on the CPU. Under ``skip_data`` that storage's record is left empty
+    at its size; without it, ``torch.save`` would try to write a meta storage's bytes."""
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if not is_placeholder(obj):
+                return NotImplemented
+            tail: tuple[Any, ...] = (
+                obj.storage_offset(),
+                tuple(obj.size()),
+                obj.stride(),
+                obj.requires_grad,
+                collections.OrderedDict(),
+            )
+            storage = obj.untyped_storage()
+            if obj.dtype in torch.storage._new_dtypes():
+                storage._fake_device = _CPU
+                return torch._utils._rebuild_tensor_v3, (storage, *tail, obj.dtype)
+            typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=obj.dtype, _internal=True)
+            typed._fake_device = _CPU  # type: ignore[assignment]  # torch's load sets a str too
+            return torch._utils._rebuild_tensor_v2, (typed, *tail)
+
+    return types.SimpleNamespace(__name__="pickle", Pickler=Pickler)
+
+
+def _storage_order(obj: Any, pickler: type[pickle.Pickler]) -> list[torch.UntypedStorage]:
+    """The storages of ``obj`` in the order ``torch.save`` numbers them (``pickler``'s first encounters)."""
     order: dict[int, torch.UntypedStorage] = {}
 
-    class DryRun(pickle.Pickler):
+    class DryRun(pickler):  # type: ignore[misc, valid-type]
         def persistent_id(self, value: Any) -> Any:
             if isinstance(value, torch.storage.TypedStorage):
                 value = value._untyped_storage

@@ -52,8 +52,6 @@ from resilience.persist import sibling_file
 from resilience.persist.helper_process import call_result, serve_pipeline
 from resilience.storage.processes import process_parent, process_start_ticks
 
-# What a client sends the fork server first: which kind of helper it connects to.
-PIPELINE, CALL = b"pipeline", b"call"
 OUTPUT = (1, 2)  # the file descriptors a helper writes to as its training process does: stdout and stderr
 
 CONNECT_TIMEOUT_S = 120.0  # for the fork server to start, the first time (an interpreter importing torch)
@@ -172,11 +170,10 @@ class ForkServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
-        """A connection to a newly forked helper of ``kind`` (:data:`PIPELINE` or :data:`CALL`); waits for the
-        server to be up, the first time."""
+    def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+        """A connection to a newly forked helper; waits for the server to be up, the first time."""
         deadline = time.monotonic() + timeout_s
-        while (conn := _dial(self.address, self.authkey, kind)) is None:
+        while (conn := _dial(self.address, self.authkey)) is None:
             if self.process.poll() is not None:
                 raise CheckpointError(
                     f"the checkpoint helper server exited with code {self.process.returncode} before it "
@@ -219,10 +216,10 @@ class InheritedServer:
         server too (not a zombie its parent has not reaped yet)."""
         return os.getppid() == self.owner and process_start_ticks(self.pid) is not None
 
-    def connect(self, kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+    def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
         """As :meth:`ForkServer.connect`; :class:`ServerGone` once the server has ended."""
         deadline = time.monotonic() + timeout_s
-        while (conn := _dial(self.address, bytes.fromhex(self.authkey), kind)) is None:
+        while (conn := _dial(self.address, bytes.fromhex(self.authkey))) is None:
             if not self.alive():
                 raise ServerGone
             _check_deadline(deadline, timeout_s)
@@ -252,12 +249,13 @@ class SiblingServer(InheritedServer):
         return owner_runs and process_start_ticks(self.pid) is not None
 
 
-def connect(kind: bytes, timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
-    """A connection to a newly forked helper of ``kind``, from this process's fork server (started if need be)."""
+def connect(timeout_s: float = CONNECT_TIMEOUT_S) -> Connection:
+    """A connection to a newly forked helper, from this process's fork server (started if need be); the first
+    message sent on it says what the helper runs."""
     try:
-        return ForkServer.get().connect(kind, timeout_s)
+        return ForkServer.get().connect(timeout_s)
     except ServerGone:  # the inherited server ended with its process: this one starts its own
-        return ForkServer.get().connect(kind, timeout_s)
+        return ForkServer.get().connect(timeout_s)
 
 
 def _code() -> str:
@@ -265,15 +263,14 @@ def _code() -> str:
     return f"{sys.executable}|{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}"
 
 
-def _dial(address: str, authkey: bytes, kind: bytes) -> Connection | None:
-    """A connection to the server listening at ``address``, asking for a helper of ``kind``, which is handed this
-    process's stdout and stderr (a launcher may give each rank files of its own); None while no server listens."""
+def _dial(address: str, authkey: bytes) -> Connection | None:
+    """A connection to the server listening at ``address``, asking for a helper, which is handed this process's
+    stdout and stderr (a launcher may give each rank files of its own); None while no server listens."""
     try:
         conn = Client(address, family="AF_UNIX", authkey=authkey)
     except (FileNotFoundError, ConnectionRefusedError):
         return None
     try:
-        conn.send_bytes(kind)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno())) as sock:
             socket.send_fds(sock, [b"o"], [fd for fd in OUTPUT if _is_open(fd)])
     except BaseException:
@@ -339,7 +336,6 @@ def _serve(address: str, keepalive_fd: int, published: str) -> None:
     """The fork server: fork a helper for every connection, until the training process goes away; then it
     removes its socket's folder and the file that ``published`` it to its owner's sibling ranks, if any."""
     _ignore_stop_signals()
-    warmed = False
     listener = Listener(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("RESILIENCE_HELPER_AUTHKEY")))
     selector = selectors.DefaultSelector()
     selector.register(listener._listener._socket, selectors.EVENT_READ, "accept")  # type: ignore[attr-defined]
@@ -355,15 +351,6 @@ def _serve(address: str, keepalive_fd: int, published: str) -> None:
                     sibling_file.remove(published, address)
                 return
             conn = listener.accept()
-            try:
-                kind = conn.recv_bytes(16)  # sent first by both clients, before what the helper reads
-            except (EOFError, OSError):
-                conn.close()
-                continue
-            if kind == CALL and not warmed:
-                _import_once_for_all_helpers()
-                gc.freeze()
-                warmed = True
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
@@ -396,16 +383,6 @@ def _take_output(conn: Connection) -> None:
             os.dup2(fd, target)
     for fd in received:
         os.close(fd)
-
-
-def _import_once_for_all_helpers() -> None:
-    """Import in the server, at its first :class:`Call`, what a helper forked for a call would otherwise import
-    again every time: a name's writer makes placeholder tensors, and torch's fake-tensor mode imports
-    ``torch._dynamo`` the first time one is made (0.5-0.9 s of CPU on a 2-core VM, out of a 1.6 GB name's
-    2.5 s). Not at the server's start: most processes never write a name, and would pay it at every launch."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    FakeTensorMode()
 
 
 def _exit_with_training_process(conn: Connection) -> None:

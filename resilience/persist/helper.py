@@ -45,7 +45,7 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Topology
 from resilience.errors import CheckpointError, describe
 from resilience.persist import Failures, PersistPipeline
-from resilience.persist.fork_server import CALL, CONNECT_TIMEOUT_S, PIPELINE, Call, ForkServer, Inherited, connect
+from resilience.persist.fork_server import CONNECT_TIMEOUT_S, Call, ForkServer, Inherited, connect
 from resilience.persist.helper_process import returned, unpickled_error
 from resilience.persist.worker import Worker
 
@@ -218,7 +218,7 @@ class HelperPipeline(PersistPipeline):
 
     def _connect(self) -> Connection | None:
         try:
-            conn = connect(PIPELINE)
+            conn = connect()
             conn.send(self.settings)
             kind, pid = conn.recv()
             if kind != "ready":
@@ -325,7 +325,7 @@ def call_in_helper(function: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     its result, or its exception raised here. Blocks the calling thread (not the interpreter lock) until then.
     A helper that dies first raises :class:`CheckpointError`: whatever the function writes must therefore be
     whole or absent when it is cut short (as :func:`resilience.formats.export.atomic_output` makes a file)."""
-    conn = connect(CALL)
+    conn = connect()
     try:
         environ, pid = dict(os.environ), os.getpid()
         conn.send(
