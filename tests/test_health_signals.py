@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ from resilience.errors import ConfigError
 from resilience.health import FaultTable, Kind, Severity, SignalWatcher
 from resilience.health.events import EventLog
 from resilience.health.signals import parse_signal
+from tests.helpers import base_env
 
 
 @pytest.fixture
@@ -119,3 +123,34 @@ def test_a_child_forked_from_the_training_process_is_not_held_by_the_watcher() -
         watcher.restore()
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
     assert watcher.drain() == [], "the child's signal is not the training process's"
+
+
+def test_a_second_signal_inside_the_first_handler_still_says_why_once() -> None:
+    """Before training a signal ends the process with the requeue code and one line on stderr. A launcher forwards
+    the scheduler's signal, so a second one can arrive while the first is being handled: its handler runs inside
+    the first's, at the first Python call after it arrived. Here it arrives as the first reaches the point where
+    the signals get ignored; a worker of ``accelerate launch`` under load once left without its line that way. The
+    process still exits with the code and says so exactly once."""
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from resilience.health import FaultTable, SignalWatcher, signals
+        from resilience.health.events import EventLog
+
+        hold, sent = signals.hold_exit_code, []
+
+        def second_signal_first(*args):
+            if not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)  # handled at the next check: inside the first handler
+            hold(*args)
+
+        signals.hold_exit_code = second_signal_first
+        SignalWatcher(["SIGTERM"], EventLog(rank=0), FaultTable(), exit_code=75).install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("still running after SIGTERM")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=base_env(), timeout=60)
+    assert done.returncode == 75, done.stderr
+    assert done.stderr.count("SIGTERM before training began: exiting with code 75") == 1, done.stderr

@@ -110,6 +110,7 @@ class SignalWatcher:
         self._given_back: dict[signal.Signals, Any] = {}
         self._pid = os.getpid()
         self._exiting = False
+        self._said = False
 
     @property
     def installed(self) -> bool:
@@ -173,15 +174,22 @@ class SignalWatcher:
 
     def _exit_now(self, signum: int) -> NoReturn:
         """Before training: nothing trained is lost, so leave with the preemption code (``SystemExit``, so that
-        ``finally`` blocks and the framework's teardown run)."""
+        ``finally`` blocks and the framework's teardown run).
+
+        A second signal (a launcher forwards the scheduler's) runs this handler again inside the first, at the
+        first Python call after it arrived, until the signals are ignored; its ``SystemExit`` then ends the first.
+        So each step is done by whichever invocation gets there first, and the line is said exactly once: the flag
+        is set with no Python call between it and the write."""
         assert self.exit_code is not None
-        if self._exiting:  # a second signal (the launcher forwards the scheduler's) ran the handler again
-            raise SystemExit(self.exit_code)
-        self._exiting = True
-        hold_exit_code(self.signals, self.exit_code, self.exit_timeout_s)
         name = signal.Signals(signum).name
         said = f"resilience: {name} before training began: exiting with code {self.exit_code} (pid {os.getpid()})\n"
-        os.write(2, said.encode())
+        line = said.encode()
+        if not self._said:
+            self._said = True
+            os.write(2, line)
+        if not self._exiting:
+            hold_exit_code(self.signals, self.exit_code, self.exit_timeout_s)
+            self._exiting = True  # after: one cut short by a second signal is done again by that one
         raise SystemExit(self.exit_code)
 
     def drain(self) -> list[FaultEvent]:
