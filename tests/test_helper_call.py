@@ -75,6 +75,30 @@ def test_the_fork_server_ends_with_its_training_process_and_removes_its_folder()
     assert not os.path.exists(folder)
 
 
+def test_a_client_gone_before_the_handshake_does_not_end_the_fork_server() -> None:
+    """A rank killed (kill -9) while it connects to the node's fork server, or anything else that reaches its
+    socket without the key, must not end the server: the node's other ranks ask it for their next helpers."""
+    script = (
+        "import os, socket, struct\n"
+        "from resilience.persist.fork_server import ForkServer\n"
+        "from resilience.persist.helper import call_in_helper\n"
+        "call_in_helper(os.getpid)\n"  # the server is up
+        "server = ForkServer.get()\n"
+        "for _ in range(3):\n"
+        "    with socket.socket(socket.AF_UNIX) as gone:\n"
+        "        gone.connect(server.address)\n"  # and closed at once, before the server's challenge is answered
+        "with socket.socket(socket.AF_UNIX) as stranger:\n"
+        "    stranger.connect(server.address)\n"
+        "    stranger.recv(1024)\n"  # the challenge
+        "    stranger.sendall(struct.pack('!i', 4) + b'junk')\n"  # a wrong answer
+        "    stranger.recv(1024)\n"
+        "print(call_in_helper(divmod, 17, 5), server.alive())\n"
+    )
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["(3,", "2)", "True"], done.stdout + done.stderr
+
+
 def test_a_fork_server_started_early_goes_if_no_helper_was_wanted_from_it() -> None:
     # In a process of its own: this one's server may be another test's.
     script = (

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, TypeVar
 
@@ -350,7 +351,10 @@ def _serve(address: str, keepalive_fd: int, published: str) -> None:
                 if published:
                     sibling_file.remove(published, address)
                 return
-            conn = listener.accept()
+            try:
+                conn = listener.accept()
+            except (OSError, EOFError, AuthenticationError):  # gone mid-handshake (a rank killed), or no key
+                continue
             if os.fork() == 0:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 listener.close()
