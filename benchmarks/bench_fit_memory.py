@@ -134,32 +134,26 @@ class ProportionalPeak:
 def worker(framework: str, variant: str, args: argparse.Namespace) -> None:
     """One fit of ``variant`` in this fresh process; emits its peak PSS sample. One rank of several (``--processes``,
     Accelerate): the loop alone, each rank ``--steps`` steps, sampled from the benchmark's process."""
-    if args.processes > 1:
-        from benchmarks import bench_accelerate as bench
-        from benchmarks.common import LAYERS, build
-
-        model, _, _ = build(LAYERS, width_for(args.size_gb))
-        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
-        bench.added_run(model, key, Path(args.dir), args.steps * args.processes, args.every)  # a rank's share
-        return
-    root = Path(tempfile.mkdtemp(prefix="fit-memory-", dir=args.dir))
     if framework == "lightning":
-        from benchmarks import bench_lightning as bench
+        from benchmarks import bench_lightning as lightning
 
-        model = bench.Net(width_for(args.size_gb))
-        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
-        with ProportionalPeak() as peak:
-            bench.added_fit(model, key, root, args.steps, args.every)
+        model, fit, steps = lightning.Net(width_for(args.size_gb)), lightning.added_fit, args.steps
+        key = lightning.NO_SAVES if variant == "no-saves" else lightning.ADDED_KEYS[variant]
     else:
-        from benchmarks import bench_accelerate as bench
+        from benchmarks import bench_accelerate as accelerate
         from benchmarks.common import LAYERS, build
 
-        model, _, _ = build(LAYERS, width_for(args.size_gb))
-        key = bench.NO_SAVES if variant == "no-saves" else bench.ADDED_KEYS[variant]
-        with ProportionalPeak() as peak:
-            bench.added_run(model, key, root, args.steps, args.every)
+        model, fit = build(LAYERS, width_for(args.size_gb))[0], accelerate.added_run
+        steps = args.steps * args.processes  # the loader deals its batches out to the ranks
+        key = accelerate.NO_SAVES if variant == "no-saves" else accelerate.ADDED_KEYS[variant]
     from benchmarks.dcp_recipe import end_checkpoint_process
 
+    if args.processes > 1:
+        fit(model, key, Path(args.dir), steps, args.every)
+        end_checkpoint_process()
+        return
+    with ProportionalPeak() as peak:
+        fit(model, key, Path(tempfile.mkdtemp(prefix="fit-memory-", dir=args.dir)), steps, args.every)
     end_checkpoint_process()
     emit(peak.peak)
 
