@@ -183,7 +183,7 @@ class SignalWatcher:
         assert self.exit_code is not None
         name = signal.Signals(signum).name
         said = f"resilience: {name} before training began: exiting with code {self.exit_code} (pid {os.getpid()})\n"
-        line = said.encode()
+        line = said.encode()  # here, not between the flag and the write: a pending handler may run after any call
         if not self._said:
             self._said = True
             os.write(2, line)
