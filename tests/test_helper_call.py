@@ -59,6 +59,23 @@ def test_a_helper_that_dies_mid_call_is_an_error() -> None:
         call_in_helper(_die)
 
 
+def test_a_preload_module_the_helpers_cannot_import_is_named_with_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module in ``RESILIENCE_HELPER_PRELOAD`` that the helpers cannot import fails the call and the save with
+    what to change, not with the end of a connection; nothing is committed."""
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "no_such_drill_module")
+    said = r"import 'no_such_drill_module', named in RESILIENCE_HELPER_PRELOAD: ModuleNotFoundError.*PYTHONPATH"
+    with pytest.raises(CheckpointError, match=said):
+        call_in_helper(os.getpid)
+    manager = CheckpointManager(CheckpointConfig(tmp_path, persist="process"))
+    manager.save(1, {"w": torch.ones(4)})
+    with pytest.raises(CheckpointError, match=said):
+        manager.wait()
+    manager.close()
+    assert not (tmp_path / "step-1" / "manifest.json").exists()
+
+
 def test_the_fork_server_ends_with_its_training_process_and_removes_its_folder() -> None:
     # The server skips the interpreter's teardown at its end (os._exit): what it has to do, it does before.
     script = (

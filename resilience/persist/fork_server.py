@@ -47,10 +47,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from resilience.errors import CheckpointError
+from resilience.errors import CheckpointError, describe
 from resilience.health.signals import STOP_SIGNALS
 from resilience.persist import sibling_file
-from resilience.persist.helper_process import call_result, serve_pipeline
+from resilience.persist.helper_process import call_result, error_result, serve_pipeline
 from resilience.storage.processes import process_parent, process_start_ticks
 
 OUTPUT = (1, 2)  # the file descriptors a helper writes to as its training process does: stdout and stderr
@@ -368,7 +368,11 @@ def _helper(conn: Connection, keepalive_fd: int) -> None:
     try:
         _take_output(conn)
         first = conn.recv()
-        _become(first)
+        try:
+            _become(first)
+        except Exception as exc:  # said to the training process, where its save or call raises it
+            conn.send(error_result(exc))
+            return
         if isinstance(first, Call):
             _exit_with_training_process(conn)
             _call_main(conn, first)
@@ -423,7 +427,14 @@ def _become(origin: Inherited) -> None:
     logging.basicConfig(level=origin.log_level, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     for module in origin.preload:  # instrumentation of the helper: tracing, profiling, fault drills
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise CheckpointError(
+                f"the checkpoint helper could not import {module!r}, named in RESILIENCE_HELPER_PRELOAD: "
+                f"{describe(exc)}. Put it on the PYTHONPATH the training process starts with (its fork server's "
+                "imports come from there), or take it out of RESILIENCE_HELPER_PRELOAD"
+            ) from exc
 
 
 def _call_main(conn: Connection, call: Call) -> None:

@@ -220,7 +220,8 @@ class HelperPipeline(PersistPipeline):
         try:
             conn = connect()
             conn.send(self.settings)
-            kind, pid = conn.recv()
+            kind, payload = conn.recv()
+            pid = returned(kind, payload)  # else the error that kept it from starting, raised
             if kind != "ready":
                 raise CheckpointError(f"the checkpoint helper answered {kind!r} instead of 'ready'")
             with self._send_lock:

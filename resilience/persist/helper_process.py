@@ -102,7 +102,12 @@ def call_result(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tupl
     try:
         return "ok", function(*args, **kwargs)
     except BaseException as exc:
-        return "error", (pickled_error(exc), describe(exc))
+        return error_result(exc)
+
+
+def error_result(exc: BaseException) -> tuple[str, Any]:
+    """``exc`` as :func:`call_result` sends it back."""
+    return "error", (pickled_error(exc), describe(exc))
 
 
 def returned(kind: str, payload: Any) -> Any:
