@@ -3,7 +3,8 @@ process sends (:class:`~resilience.persist.helper.HelperPipeline` is the other e
 
 It runs the same :class:`~resilience.persist.pipeline.Pipeline` the training process would otherwise run as
 threads, over the training process's staging buffers mapped in place by segment name; every save's futures,
-events and errors go back over the connection as they happen.
+events and errors go back over the connection as they happen. The fork server imports this module, DCP with it,
+before it forks anything: each helper shares those pages instead of importing DCP again for itself.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from resilience.checkpoint.save_handle import Commit, SaveHandle
 from resilience.checkpoint.staging import SegmentRef, StagingJob, attach
 from resilience.dist import Groups
 from resilience.errors import CheckpointError, describe
+from resilience.persist.pipeline import Pipeline, WriteJob, WriteSpec
 from resilience.persist.worker import Worker
+from resilience.storage.tiers import DurableTier, LocalTier
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from resilience.persist.helper import HelperSettings
-    from resilience.persist.pipeline import Pipeline, WriteJob, WriteSpec
 
 Send = Callable[[tuple[Any, ...]], None]
 
@@ -136,9 +138,6 @@ def _join_helpers(settings: HelperSettings) -> None:
 
 def _pipeline(settings: HelperSettings, send: Send, protected_steps: Callable[[], set[int]]) -> Pipeline:
     """The pipeline a training process would run as threads, reporting over the connection."""
-    from resilience.persist.pipeline import Pipeline  # DCP: imported in each helper, never by the fork server
-    from resilience.storage.tiers import DurableTier, LocalTier
-
     config, topology = settings.config, settings.topology
     groups = Groups(config.collective_timeout_s, topology.nodes[topology.rank])
     return Pipeline(
@@ -159,8 +158,6 @@ def _pipeline(settings: HelperSettings, send: Send, protected_steps: Callable[[]
 def _job(spec: WriteSpec, staged: dict[str, torch.Tensor], send: Send) -> WriteJob:
     """A save received, as a job for this helper's pipeline: its tensors are the mapped buffers (a DTensor's
     shard as a :class:`Piece`), and its handle's futures are sent back as they resolve."""
-    from resilience.persist.pipeline import WriteJob
-
     handle = SaveHandle(spec.step)
     handle.committed.add_done_callback(_forward("committed", spec.step, handle, send))
     handle.durable.add_done_callback(_forward("durable", spec.step, handle, send))
