@@ -201,9 +201,9 @@ def table(report: Report, framework: str, peaks: dict[str, list[dict[str, Any]]]
     rows = []
     for variant in peaks:
         total = median(variant, lambda s: s["total"])
-        row = [variant, f"{total:.2f}", "-" if variant == "no-saves" else f"{total - base:+.2f}"]
-        row += [f"{median(variant, lambda s, f=f: s[f]):.2f}" for f in ("shared", "training")]
-        row += [f"{median(variant, lambda s, r=r: s['others'].get(r, 0)):.2f}" for r in roles]
+        row = [variant, f"{total:.3f}", "-" if variant == "no-saves" else f"{total - base:+.3f}"]
+        row += [f"{median(variant, lambda s, f=f: s[f]):.3f}" for f in ("shared", "training")]
+        row += [f"{median(variant, lambda s, r=r: s['others'].get(r, 0)):.3f}" for r in roles]
         rows.append(row)
     report.add(f"**{framework}**")
     report.table(
