@@ -22,6 +22,7 @@ from accelerate.utils import DistributedType
 from torch.utils.hooks import RemovableHandle
 
 from accelerate_resilience import compat, snapshot
+from accelerate_resilience.numbering import CheckpointNumbers
 from accelerate_resilience.plugin import ResiliencePlugin
 from resilience.checkpoint.manager import CheckpointManager
 from resilience.checkpoint.position import DataTracker, Position
@@ -29,7 +30,7 @@ from resilience.checkpoint.rng import capture_rng
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.checkpoint.staging import barrier_for
 from resilience.config import auto_persist
-from resilience.errors import CheckpointError, ConfigError
+from resilience.errors import CheckpointError, CheckpointExistsError, ConfigError
 from resilience.goodput import IntervalPlan, TimedIterator
 from resilience.health import HealthConfig
 from resilience.logs import print_to_stderr, rank_zero
@@ -51,7 +52,7 @@ class ResumePoint:
     Attributes:
         epoch: The epoch to continue in (the training loader's epoch counter is already set to it).
         batch_in_epoch: Batches of that epoch already trained on.
-        global_step: Optimizer steps done; also the number the next checkpoints continue from.
+        global_step: Optimizer steps done.
         restored: Whether a checkpoint was loaded (False: nothing to resume, start from scratch).
         batches_to_skip: What to pass to ``accelerator.skip_first_batches`` for the resumed epoch: 0 when the
             loader continues mid-epoch by itself (StatefulDataLoader), ``batch_in_epoch`` for a plain DataLoader.
@@ -72,7 +73,7 @@ class ResilienceHandle:
     Made by :func:`attach`; construction is collective (every rank). Attributes: ``manager`` (the engine),
     ``session`` (the step boundary: ``session.ledger`` is the run's goodput ledger), ``global_step``
     (optimizer steps counted by a hook on the first prepared optimizer; steps a GradScaler skips are not
-    counted), ``run_dir`` (where the ledger lives).
+    counted), ``run_dir`` (where the ledger lives). Checkpoints are numbered by :class:`CheckpointNumbers`.
 
     Every optimizer step ends at the next batch the training loader hands out: that is the step boundary, where
     interval saves happen, the ranks agree on faults and preemption signals (with health on), and an agreed
@@ -122,9 +123,8 @@ class ResilienceHandle:
         )
         if health is not None or plugin.health:
             self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
-        self.global_step = 0
-        self._boundary_step = 0
-        self._last_saved: int | None = None
+        self._numbers = CheckpointNumbers()
+        self._boundary_step = 0  # the optimizer steps at the last step boundary
         self._hooks: list[RemovableHandle] = []
         self._hooked: set[int] = set()
         self._training_loader = dataloader
@@ -157,29 +157,45 @@ class ResilienceHandle:
     def ledger(self) -> Any:
         return self.session.ledger
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done (restored by :meth:`resume`)."""
+        return self._numbers.optimizer_steps
+
     # ---- save -------------------------------------------------------------------------------------------------
 
     def save(self, step: int | None = None) -> SaveHandle | None:
-        """Checkpoint everything now, in the background; collective (every rank, same step).
+        """Checkpoint everything as it is now, in the background; collective (every rank, same step).
 
         Call it after a step's optimizer and scheduler steps: the checkpoint counts the batch just drawn as
-        trained. ``step`` defaults to :attr:`global_step` (so numbering survives restarts). A step saved already
-        (by an interval save at this boundary, say) gives that save's handle. Returns None when the previous
-        save is still running and ``when_busy="skip"``.
+        trained. Every call makes a new checkpoint, numbered above the last (:class:`CheckpointNumbers`: the
+        optimizer steps, unless saves between two steps moved the numbers on), so a newer call is never answered
+        by an older save; only a save this very call made at the step boundary (an interval save) is returned
+        as it is. ``step`` numbers the checkpoint yourself: one saved already raises CheckpointExistsError.
+        Returns None when the previous save is still running and ``when_busy="skip"``.
         """
         self._check_open()
         self._refresh()
-        self.session.start(self.global_step)
-        self._boundary()  # called after a step's optimizer step: that step is complete
-        step = self.global_step if step is None else int(step)
-        if step == self._last_saved:
-            return self.manager.saved(step)
-        handle = self.session.save(step)
+        self.session.start(self._numbers.current)
+        at_boundary = self._boundary()  # called after a step's optimizer step: that step is complete
+        if at_boundary is not None and step is None:
+            return at_boundary  # made just now, by this call: the state at the call
+        number = self._numbers.for_save() if step is None else self._own_number(int(step))
+        handle = self.session.save(number)
         if handle is not None:
-            self._saved(step)
+            self._saved(number)
         if self.ledger is not None:
             self.ledger.flush()
         return handle
+
+    def _own_number(self, step: int) -> int:
+        """The caller's number, if no checkpoint has it: an earlier one must not stand in for this call."""
+        if step in self.manager.committed_steps():
+            raise CheckpointExistsError(
+                f"save(step={step}): step {step} is already saved or being saved, and a committed checkpoint is "
+                "never overwritten. Leave step out: each save then takes the next free number"
+            )
+        return step
 
     def _state(self, step: int) -> SaveState:
         """Everything to save at ``step``: the shared training state, and each rank's own."""
@@ -194,7 +210,7 @@ class ResilienceHandle:
         training thread."""
         position = self._position()
         progress = {
-            "global_step": step,
+            "global_step": self.global_step,
             "epoch": position.epoch,
             "batch_in_epoch": position.batch_in_epoch,
             "accelerator_step": self.accelerator.step,
@@ -216,8 +232,8 @@ class ResilienceHandle:
         training = snapshot.training_state(self.accelerator) if self._sharded else None
         return BoundarySnapshot(step, rank_state, shared)
 
-    def _saved(self, step: int) -> None:
-        self._last_saved = step
+    def _saved(self, number: int) -> None:
+        self._numbers.saved(number)
         self.accelerator.project_configuration.iteration += 1  # what Accelerate's own save_state counts
 
     def wait(self, *, durable: bool = False) -> None:
@@ -262,7 +278,10 @@ class ResilienceHandle:
         where = f"checkpoint step {restored.step} ({restored.path})"
         snapshot.load_training_state(self.accelerator, restored.state["training"], where)
         progress = restored.state["progress"]
-        self.global_step = self._last_saved = self._boundary_step = restored.step
+        self._numbers.restored(restored.step, int(progress["global_step"]))
+        self._boundary_step = self.global_step
+        if self.session.started:  # loaded mid-run: newer checkpoints are set aside at the next save, as on a restart
+            self.manager.claim(resumed_from=restored.step)
         self.accelerator.step = progress["accelerator_step"]
         self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
         rank_state = restored.rank_state
@@ -277,12 +296,12 @@ class ResilienceHandle:
         self.session.restored(
             restored,
             rng_at="next_batch" if at_next_batch else "now",
-            position=f"epoch {epoch}, batch {batch}, global step {restored.step}",
+            position=f"epoch {epoch}, batch {batch}, global step {self.global_step}",
         )
         return ResumePoint(
             epoch=epoch,
             batch_in_epoch=batch,
-            global_step=restored.step,
+            global_step=self.global_step,
             restored=True,
             batches_to_skip=0 if positioned else batch,
             path=restored.path,
@@ -373,7 +392,7 @@ class ResilienceHandle:
                 )
 
     def _count_step(self, *_: Any) -> None:
-        self.global_step += 1
+        self._numbers.optimizer_steps += 1
 
     def _position(self) -> Position:
         return self._tracker.position() if self._tracker is not None else Position(0, 0, rng_at_next_batch=False)
@@ -382,17 +401,21 @@ class ResilienceHandle:
         """Just before the training loader hands out a batch: the previous step is complete."""
         if self.session.stopping is not None:  # the loop went on after should_stop(): stop it here
             self.close()
-        self.session.start(self.global_step)
+        self.session.start(self._numbers.current)
         self._boundary()
-        self.session.step_begin(self.global_step, infer_wait=False)
+        self.session.step_begin(self._numbers.current, infer_wait=False)
 
-    def _boundary(self) -> None:
+    def _boundary(self) -> SaveHandle | None:
+        """The boundary of a new optimizer step (the session counts in checkpoint numbers); the save it made."""
         if self.global_step == self._boundary_step:
-            return  # not every micro-batch is an optimizer step
+            return None  # not every micro-batch is an optimizer step
         self._boundary_step = self.global_step
-        boundary = self.session.step_end(self.global_step)
-        if boundary.saved is not None and boundary.saved.step == self.global_step:
-            self._saved(self.global_step)
+        number = self._numbers.current
+        boundary = self.session.step_end(number)
+        if boundary.saved is None or boundary.saved.step != number:
+            return None
+        self._saved(number)
+        return boundary.saved
 
     @property
     def interval_plan(self) -> IntervalPlan | None:

@@ -72,7 +72,8 @@ def main() -> None:
         if resilience.should_stop():
             break
         accelerator.print(f"epoch {epoch}: loss {loss.item():.4f}, step {resilience.global_step}")
-    resilience.save()  # resilience: the final state (a no-op if that step is saved already)
+    if not resilience.should_stop():  # resilience: after a stop, that step is saved already
+        resilience.save()  # resilience: the final state
     accelerator.end_training()  # waits for the last save; after a stop, exits with the code a launcher restarts on
 
 

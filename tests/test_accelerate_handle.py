@@ -150,12 +150,13 @@ def test_routed_methods_and_their_limits(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"load_state\('s3://bucket/run'\): .* not this run's durable_url \(None\)"):
         accelerator.load_state("s3://bucket/run/")
     train(job, resilience, resilience.resume(), stop_at=3)  # saves through accelerator.save_state()
-    # same step as the last save: nothing new, and the folder that holds it, as Accelerate returns its output dir
-    assert accelerator.save_state(str(tmp_path / "ck")) == str(tmp_path / "ck" / "step-3")
+    # the same optimizer step again: a checkpoint of its own, numbered past the last, in the folder Accelerate
+    # would return as its output dir
+    assert accelerator.save_state(str(tmp_path / "ck")) == str(tmp_path / "ck" / "step-4")
     accelerator.save_state(tmp_path / "export")  # another folder: Accelerate's own synchronous export
     assert (tmp_path / "export" / "model.safetensors").exists()
     resilience.close()
-    assert committed_steps(tmp_path / "ck") == [3]
+    assert committed_steps(tmp_path / "ck") == [3, 4]
     assert "save_state" not in vars(accelerator) and "end_training" not in vars(accelerator)
     assert "_update_state_dict" not in vars(job.loader)
 
