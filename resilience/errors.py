@@ -51,6 +51,16 @@ class IncompatibleStateError(CheckpointError):
     """A checkpoint is sound but does not fit what it is loaded into (other keys, other objects): a user error."""
 
 
+class ReadInterruptedError(CheckpointError):
+    """Another rank's read of a checkpoint was interrupted (a stop signal, Ctrl-C): says nothing of the bytes, so the
+    checkpoint stays where it is and this rank stops loading too."""
+
+
+class UncheckedReadError(CheckpointError):
+    """A read failed in a way that is neither the storage's nor known to be the bytes': the copy is checked against
+    its manifest before anything is decided about it."""
+
+
 class GroupBrokenError(CheckpointError):
     """A checkpoint collective failed (a peer died, hung or left); the group is not used again."""
 
@@ -68,3 +78,33 @@ def describe(exc: BaseException, rank: int | None = None) -> str:
     text = str(exc).strip().splitlines()
     line = f"{type(exc).__name__}: {text[0] if text else ''}"[:2000]
     return line if rank is None else f"{line} (on rank {rank})"
+
+
+def causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+    """``exc`` and everything behind it, with the rank each was raised on when known: DCP hands back each rank's
+    exception in a ``CheckpointException``'s ``failures``, and an error raised while another unwinds keeps that
+    one as its context. A classification that looked at ``exc`` alone would miss a signal's ``SystemExit`` there."""
+    found: list[tuple[int | None, BaseException]] = []
+    todo: list[tuple[int | None, BaseException]] = [(None, exc)]
+    seen: set[int] = set()
+    while todo:
+        rank, current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        found.append((rank, current))
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [(r, pair[0]) for r, pair in failures.items() if isinstance(pair, tuple) and pair]
+        todo += [(rank, c) for c in (current.__cause__, current.__context__) if c is not None]
+    return found
+
+
+def interruption(exc: BaseException) -> tuple[int | None, BaseException] | None:
+    """The stop behind ``exc``, if any, and its rank: a ``SystemExit`` (a signal handler's way out), a
+    ``KeyboardInterrupt``, any ``BaseException`` that is not an ``Exception``. Neither says anything of a
+    checkpoint being read when it came."""
+    for rank, cause in causes(exc):
+        if not isinstance(cause, Exception) and getattr(cause, "failures", None) is None:
+            return rank, cause
+    return None

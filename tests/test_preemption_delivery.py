@@ -213,13 +213,14 @@ def test_an_accelerate_script_run_bare_commits_the_agreed_step_when_its_group_is
 
 
 def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path: Path) -> None:
-    """Under Accelerate the stop signals are the pack's from ``attach()``: a restore (here made to take 60 s) ends
-    at once with the requeue code on both workers, and the checkpoint it read stays intact."""
+    """Under Accelerate the stop signals are the pack's from ``attach()``: a restore (here made to take 60 s, inside
+    DCP's read, which catches the handlers' ``SystemExit``) ends at once with the requeue code on both workers, and
+    the checkpoint it read stays where it was, intact."""
     root = tmp_path / "ckpt"
     first, log = start_accelerate(tmp_path, root, TRAIN_STOP_AT="4")
     assert first.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-6000:]
     marker = tmp_path / "loading"
-    slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
+    slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker), "TEST_SLOW_LOAD_IN": "shards"}
     proc, log = start_accelerate(tmp_path, root, ACCELERATE_RESILIENCE_HEALTH="1", **slow)
     # once both workers read (one still importing has no handler yet: SIGTERM's default would end it, rightly)
     pids, output = stop_when(proc, log, marker, "every_pid", timeout_s=30, lines=2)
@@ -230,6 +231,7 @@ def test_accelerate_launch_signalled_during_a_restore_exits_75_at_once(tmp_path:
     assert "exitcode" not in output or "exitcode  : 75" in output, output[-6000:]
     assert_none_left(pids)
     assert resilience_cli(["verify", str(root), "--step", "4"]) == 0
+    assert "Skipping" not in output and not (root / "quarantine").exists(), output[-6000:]
 
 
 def test_resilience_launch_commits_the_agreed_step_when_its_process_group_is_signalled(tmp_path: Path) -> None:
@@ -246,17 +248,32 @@ def test_resilience_launch_commits_the_agreed_step_when_its_process_group_is_sig
     assert_none_left(pids)
 
 
-def test_a_signal_during_a_restore_exits_75_and_the_checkpoint_stays_intact(tmp_path: Path) -> None:
-    """A preemption while a relaunch reads its checkpoint (here made to take 60 s): nothing is trained yet, so
-    the job leaves at once with the requeue code, and the next relaunch resumes from the same checkpoint."""
+@pytest.mark.parametrize(
+    ("where", "how"),
+    [
+        ("before_the_read", "group"),
+        ("in_dcps_read", "group"),
+        pytest.param("in_dcps_read", "every_pid", marks=pytest.mark.slow),
+    ],
+)
+def test_a_signal_during_a_restore_exits_75_and_the_checkpoint_stays_intact(
+    tmp_path: Path, where: str, how: str
+) -> None:
+    """A preemption while a relaunch reads its checkpoint (here made to take 60 s, before the read or inside DCP's,
+    which catches the handlers' ``SystemExit`` on each rank): nothing is trained yet, so the job leaves at once
+    with the requeue code, nothing is set aside, and the next relaunch resumes from the same checkpoint."""
     first, log = start_lightning(tmp_path, "--max-steps", "8")
     assert first.wait(timeout=TIMEOUT_S) == 0, log.read_text()[-6000:]
     marker = tmp_path / "loading"
     slow = {"TEST_SLOW_LOAD_S": "60", "TEST_LOADING_MARKER": str(marker)}
+    if where == "in_dcps_read":
+        slow["TEST_SLOW_LOAD_IN"] = "shards"
     proc, log = start_lightning(tmp_path, "--max-steps", "12", env=slow)
-    pids, output = stop_when(proc, log, marker, "group", timeout_s=30)  # well before the read would have ended
+    # both ranks in the read, well before it would have ended
+    pids, output = stop_when(proc, log, marker, how, timeout_s=30, lines=2)
     assert proc.returncode == 75, output[-6000:]
     assert "SIGTERM before training began: exiting with code 75" in output, output[-6000:]
+    assert "Skipping" not in output and not (tmp_path / "ckpt" / "quarantine").exists(), output[-6000:]
     assert_none_left(pids)
     assert resilience_cli(["verify", str(tmp_path / "ckpt"), "--step", "8"]) == 0
     again, log = start_lightning(tmp_path, "--max-steps", "12")

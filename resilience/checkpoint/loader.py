@@ -24,11 +24,21 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from torch.distributed.checkpoint.planner import LoadPlan as DcpLoadPlan
 from torch.futures import Future
 
+from resilience import leaving
 from resilience.checkpoint import packing
 from resilience.checkpoint.packing import PackIndex
 from resilience.checkpoint.safe_reads import load_dcp_metadata, load_packs, load_skeleton
 from resilience.checkpoint.tree import TAG, flatten, tensor_keys, unflatten
-from resilience.errors import CheckpointError, CorruptCheckpointError, IncompatibleStateError, describe
+from resilience.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleStateError,
+    ReadInterruptedError,
+    UncheckedReadError,
+    causes,
+    describe,
+    interruption,
+)
 from resilience.persist.direct_io import Window
 from resilience.storage.catalog import Entry
 from resilience.storage.dcp_fs import LoadFileSystem, ReadCounter
@@ -257,11 +267,37 @@ def read_tensors(
         dcp.load(tensors, storage_reader=reader, process_group=group, no_dist=group is None)
         tensors.update(reader.adopted)
     except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        # Storage that fails to answer may answer next time; bytes that fail to parse will fail again.
-        kind = CheckpointError if _is_transient(exc) else CorruptCheckpointError
-        raise kind(f"Reading {entry.where()} failed: {describe(exc)}", step=entry.step, tier=entry.tier.name) from exc
+        raise read_failure(exc, entry, dist.get_rank(group) if group is not None else 0) from exc
+
+
+def read_failure(exc: BaseException, entry: Entry, rank: int) -> BaseException:
+    """What a failed read of ``entry`` is taken for. Only evidence sets a copy aside, so the kinds are:
+
+    - a stop (a signal handler's ``SystemExit``, Ctrl-C) on this rank, or a read that failed after this process
+      decided to leave (:mod:`resilience.leaving`): the stop, so the process leaves as the handler meant it to; a
+      stop on another rank: :class:`ReadInterruptedError`. Either way the copy stays.
+    - a file whose checksum or size does not match its manifest, found as it was read: corrupt.
+    - storage that failed to answer (a connection, a timeout, EINTR): not the bytes' fault, may work next time.
+    - anything else (a parse error of bytes nobody hashed, a bug): :class:`UncheckedReadError`, the copy is checked
+      against its manifest before anything is decided (:meth:`Restorer.load`).
+    """
+    where = f"Reading {entry.where()} failed"
+    if (code := leaving.decided()) is not None:  # a stop whose SystemExit DCP swallowed, here or on another rank
+        return SystemExit(code)
+    stop = interruption(exc)
+    if stop is not None:
+        stopped_rank, stopped = stop
+        if stopped_rank in (None, rank):
+            return stopped
+        return ReadInterruptedError(f"{where}: rank {stopped_rank} was stopped ({describe(stopped)})", step=entry.step)
+    kind: type[CheckpointError]
+    if any(isinstance(cause, CorruptCheckpointError) for _, cause in causes(exc)):
+        kind = CorruptCheckpointError
+    elif _is_transient(exc):
+        kind = CheckpointError
+    else:
+        kind = UncheckedReadError
+    return kind(f"{where}: {describe(exc)}", step=entry.step, tier=entry.tier.name)
 
 
 def _is_transient(exc: BaseException) -> bool:

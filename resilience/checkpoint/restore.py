@@ -1,8 +1,11 @@
 """Discovery and load: the newest copy that verifies, found and read by every rank together.
 
 A manager composes one :class:`Restorer`. Rank 0 lists both tiers once; every rank verifies a share of the
-files; a copy that fails anywhere (checksums, a shard DCP cannot read, a malformed state file) is set aside and
-the next older one is tried, so the same bad copy never stops a relaunch twice.
+files, and the next older copy is tried past one that fails. A copy is set aside (quarantined) only on evidence
+that it is damaged: a file missing, or at a size or checksum other than its manifest's, or a state file that
+cannot be parsed; so the same bad copy never stops a relaunch twice. A read that failed otherwise (storage that
+did not answer, an error nobody can pin on the bytes until they are hashed again) leaves the copy in place, and a
+stop signal during the load ends it without judging the copy at all.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from resilience import leaving
 from resilience.checkpoint.claim import RootClaim
 from resilience.checkpoint.loader import ReadCounter, Restored, plan_load, run_load
 from resilience.checkpoint.save_handle import SaveHandle
@@ -25,13 +29,15 @@ from resilience.errors import (
     CorruptCheckpointError,
     IncompatibleStateError,
     NoCheckpointError,
+    ReadInterruptedError,
+    UncheckedReadError,
     describe,
 )
 from resilience.goodput.ledger import LOAD_PARTS
 from resilience.progress import still_going
 from resilience.storage import catalog
 from resilience.storage.dcp_fs import LocalCopy, NearCopies
-from resilience.storage.layout import CORRUPT_MANIFEST, MANIFEST, QUARANTINE_DIR, aside_name
+from resilience.storage.layout import CORRUPT_MANIFEST, MANIFEST, QUARANTINE_DIR, aside_name, parse_step_dirname
 from resilience.storage.peer_copies import Address, PeerCopies
 from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import DurableTier, LocalTier, Tier
@@ -81,21 +87,19 @@ class Restorer:
                         f"No committed checkpoint of step {step} verifies under {self.roots.where()}: run "
                         "`resilience ls` to see what exists"
                     )
+                if self.rank == 0 and (note := set_aside_note(self.local, self.durable)) is not None:
+                    log.warning("%s", note)
                 return None
             began = time.monotonic()
             try:
                 restored = self.load_entry(
                     entry, target, rank_state=rank_state, allow_pickle=allow_pickle, leave_out=leave_out
                 )
-            except IncompatibleStateError:
+            except (IncompatibleStateError, ReadInterruptedError):
                 raise
-            except CorruptCheckpointError as exc:
-                self._warn(f"Skipping {entry.where()}: {exc}; trying an older checkpoint")
-                self._take_out(entry, definitely_corrupt=True)
-                rejected.add((entry.step, entry.tier.name))
-                continue
             except CheckpointError as exc:
-                self._warn(f"Skipping {entry.where()} for now: {exc}; trying an older checkpoint")
+                leaving.leave_if_decided()  # a failure after a stop began says nothing of the copy: it stays
+                self._judge(entry, exc)
                 rejected.add((entry.step, entry.tier.name))
                 continue
             finally:
@@ -104,6 +108,20 @@ class Restorer:
             read = entry.near.read if isinstance(entry.near, NearCopies) else {}
             restored.timings = timings | {f"from_{place}_bytes": float(size) for place, size in read.items()}
             return restored
+
+    def _judge(self, entry: catalog.Entry, failure: CheckpointError) -> None:
+        """Say why a copy whose read failed is skipped, and set it aside only on evidence that it is damaged."""
+        if isinstance(failure, CorruptCheckpointError):
+            self._warn(f"Skipping {entry.where()}: {failure}; trying an older checkpoint", depth=1)
+            self._take_out(entry, definitely_corrupt=True)
+        elif isinstance(failure, UncheckedReadError):
+            self._warn(
+                f"Skipping {entry.where()}: {failure}; {self._recheck(entry)}; trying an older checkpoint", depth=1
+            )
+        else:
+            self._warn(
+                f"Skipping {entry.where()} for now: {failure}; it stays in place; trying an older checkpoint", depth=1
+            )
 
     def load_entry(
         self, entry: catalog.Entry, target: Any, *, rank_state: bool, allow_pickle: bool, leave_out: Collection[str]
@@ -191,12 +209,24 @@ class Restorer:
         tier's are hashed as they are read instead, so each is downloaded once); ``"size"`` never."""
         return self.config.verify == "full" or (self.config.verify == "auto" and entry.tier is self.local)
 
-    def _verify_together(self, entry: catalog.Entry, share: tuple[int, int]) -> str | None:
-        """Every rank checks its share; a problem anywhere rejects the copy everywhere (corrupt ones set aside)."""
-        full = self._hashes_before_load(entry)
-        proven = Proofs(entry.path) if self.config.verify == "auto" and entry.tier is self.local else None
+    def _recheck(self, entry: catalog.Entry) -> str:
+        """After a read failed with no evidence either way: every file of the copy hashed against its manifest
+        (no proofs taken), on every rank's share. Only a mismatch sets the copy aside; what the check found."""
+        problem = self._verify_together(entry, (self.rank, self.world_size), recheck=True)
+        if problem is None:
+            return "every file matches its manifest, so the copy stays in place"
+        return f"checking it against its manifest: {problem}"
+
+    def _verify_together(self, entry: catalog.Entry, share: tuple[int, int], *, recheck: bool = False) -> str | None:
+        """Every rank checks its share; a problem anywhere rejects the copy everywhere. Only a copy that does not
+        match its manifest is set aside: a check that could not finish (storage that did not answer) proves
+        nothing. ``recheck``: every file hashed, nothing taken on trust."""
+        full = recheck or self._hashes_before_load(entry)
+        local = self.config.verify == "auto" and entry.tier is self.local
+        proven = Proofs(entry.path) if local and not recheck else None
+        checked = replace(entry, near=None) if recheck else entry
         try:
-            self.control.agree(lambda: catalog.verify(entry, full=full, share=share, proven=proven))
+            self.control.agree(lambda: catalog.verify(checked, full=full, share=share, proven=proven))
         except CorruptCheckpointError as exc:
             self._take_out(entry, definitely_corrupt=True)
             return str(exc)
@@ -207,16 +237,20 @@ class Restorer:
         return None
 
     def _take_out(self, entry: catalog.Entry, *, definitely_corrupt: bool) -> None:
-        """Take a corrupt copy out of discovery without deleting it, so its step can be saved again."""
+        """Take a corrupt copy out of discovery without deleting it, so its step can be saved again; never once a
+        stop began (whatever failed then may have failed because of it)."""
+        leaving.leave_if_decided()
         if definitely_corrupt:
             self.roots.forget(entry.step)
         if self.rank == 0 and definitely_corrupt:
             _quarantine(entry)
         self.control.barrier()
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, depth: int = 0) -> None:
+        """Rank 0 warns, at the caller of :meth:`CheckpointManager.load` (``depth``: calls between here and this
+        class's public method)."""
         if self.rank == 0:
-            warnings.warn(message, stacklevel=4)  # the caller of CheckpointManager.load
+            warnings.warn(message, stacklevel=4 + depth)
 
 
 def _quarantine(entry: catalog.Entry) -> None:
@@ -234,6 +268,50 @@ def _quarantine(entry: catalog.Entry) -> None:
         log.warning("quarantined corrupt %s as %s", entry.where(), entry.tier.display(aside))
     except Exception as exc:
         log.warning("could not quarantine %s: %s", entry.where(), exc)
+
+
+@dataclass
+class _SetAside:
+    """A copy taken out of discovery as corrupt: its step, where it is now, how to put it back, and its root."""
+
+    step: int
+    where: str
+    back: str
+    root: str
+
+
+def set_aside_note(local: LocalTier, durable: DurableTier | None) -> str | None:
+    """One line for a run that starts from step 0 while copies set aside as corrupt exist: which steps, where, and
+    how to put one back. None when there are none (or they cannot be listed: the note must not stop a start)."""
+    found: list[_SetAside] = []
+    try:
+        for path in local.fs.ls(local.path(QUARANTINE_DIR), detail=False):
+            step = parse_step_dirname(str(path).rstrip("/").rsplit("-", 1)[0])
+            if step is not None:
+                found.append(_SetAside(step, str(path), f"mv {path} {local.step_path(step)}", local.root))
+    except OSError:
+        pass
+    try:
+        for entry in catalog.scan(durable) if durable is not None else []:
+            names = [] if entry.committed else [n for n in entry.tier.file_sizes(entry.path) if CORRUPT_MANIFEST in n]
+            if names:
+                moved = entry.tier.display(f"{entry.path}/{max(names)}")
+                found.append(
+                    _SetAside(entry.step, moved, f"rename {moved} to {MANIFEST}", entry.tier.display(entry.tier.root))
+                )
+    except OSError:
+        pass
+    if not found:
+        return None
+    found.sort(key=lambda item: -item.step)
+    steps = ", ".join(str(item.step) for item in found[:8]) + (" and more" if len(found) > 8 else "")
+    newest = found[0]
+    return (
+        f"no committed checkpoint verifies, so this run starts from step 0, while steps {steps} are set aside as "
+        f"corrupt (in {local.path(QUARANTINE_DIR)}, or as durable manifests renamed {CORRUPT_MANIFEST}<time>). If "
+        f"one is sound, put it back before training on, e.g. step {newest.step}: {newest.back}, then run "
+        f"`resilience verify {newest.root} --step {newest.step}`"
+    )
 
 
 def settle_own_save(handle: SaveHandle | None, wait: Callable[[], object]) -> None:

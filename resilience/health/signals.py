@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
+from resilience import leaving
 from resilience.errors import ConfigError
 from resilience.health import loader_workers
 from resilience.health.events import EventLog
@@ -50,6 +51,7 @@ def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s:
     left in place would be reset to the default during interpreter shutdown, and the launcher's closing SIGTERM
     would kill the process by the signal), and an ``os._exit`` with the same code ends a teardown or a non-daemon
     thread that holds the process longer than ``timeout_s``."""
+    leaving.decide(exit_code)
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
             signal.signal(signum, signal.SIG_IGN)

@@ -150,6 +150,7 @@ def main() -> None:
     p.add_argument("--durable")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--every", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=32, help="the model's width (about 68 bytes of state per unit)")
     p.add_argument("--kill-at", type=int)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--loader", default="stateful", choices=["stateful", "lightning", "plain"])
@@ -231,7 +232,8 @@ def main() -> None:
         deterministic=True,
         use_distributed_sampler=args.loader != "stateful",
     )
-    trainer.fit(DemoModel(), DemoData(loader=args.loader, num_workers=args.workers), ckpt_path=args.ckpt_path)
+    data = DemoData(loader=args.loader, num_workers=args.workers)
+    trainer.fit(DemoModel(hidden=args.hidden), data, ckpt_path=args.ckpt_path)
     if args.out and trainer.global_rank == 0:
         torch.save({k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}, args.out)
     print(f"FINISHED {trainer.global_step} {trainer.current_epoch}", flush=True)  # one write: ranks share stdout
