@@ -33,21 +33,34 @@ from pathlib import Path
 
 from resilience.health.signals import SignalWatcher
 from resilience.health.faults import FaultTable
+from resilience.storage import catalog
 from resilience.storage.dcp_fs import LoadFileSystem
 from tests.test_engine_local import manager
 
-create_stream = LoadFileSystem.create_stream
-
-@contextmanager
-def signalled(self, path, mode):  # the operating system's SIGTERM, as DCP opens a shard
+def stop_here():  # the operating system's SIGTERM; the handler's SystemExit ends the sleep
     os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(30)  # the handler's SystemExit ends this sleep, inside DCP's read
-    with create_stream(self, path, mode) as stream:
-        yield stream
+    time.sleep(30)
 
-LoadFileSystem.create_stream = signalled
+if sys.argv[2] == "read":  # inside DCP's read, as it opens a shard
+    create_stream = LoadFileSystem.create_stream
+
+    @contextmanager
+    def signalled(self, path, mode):
+        stop_here()
+        with create_stream(self, path, mode) as stream:
+            yield stream
+
+    LoadFileSystem.create_stream = signalled
+else:  # while discovery hashes the files against the manifest
+    check_file = catalog.check_file
+
+    def signalled(*args, **kwargs):
+        stop_here()
+        return check_file(*args, **kwargs)
+
+    catalog.check_file = signalled
 SignalWatcher(["SIGTERM"], None, FaultTable(), exit_code=75, exit_timeout_s=60).install()  # before training
-with manager(Path(sys.argv[1]), keep_last=3) as m:
+with manager(Path(sys.argv[1]), keep_last=3, verify="full") as m:
     m.load()
 print("LOADED", flush=True)  # not reached
 """
@@ -59,16 +72,17 @@ def saved_steps(root: Path, steps: tuple[int, ...] = (1, 2), **settings: object)
             m.save(step, make_state(step))
 
 
-def test_a_stop_signal_inside_dcps_read_exits_with_its_code_and_sets_nothing_aside(tmp_path: Path) -> None:
-    """DCP catches the handler's ``SystemExit`` on its way out of the read: the process still leaves with the
-    requeue code, and the copy it was reading stays where it was, to be resumed from next time."""
+@pytest.mark.parametrize("where", ["read", "verify"])
+def test_a_stop_signal_during_a_restore_exits_with_its_code_and_sets_nothing_aside(tmp_path: Path, where: str) -> None:
+    """A SIGTERM before training, during discovery's checksums or inside DCP's read (which catches the handler's
+    ``SystemExit`` on its way out): the process leaves with the requeue code, and the copy it was reading stays
+    where it was, to be resumed from next time."""
     saved_steps(tmp_path)
     script = tmp_path / "signalled_read.py"
     script.write_text(SIGNALLED_READ)
     env = base_env({"PYTHONPATH": str(ROOT)})  # a whole shutdown, without the suite's fast exit (conftest.py)
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    command = [sys.executable, str(script), str(tmp_path), where]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert "SIGTERM before training began: exiting with code 75" in done.stderr, done.stderr[-4000:]
     assert done.returncode == 75, done.stderr[-4000:]
     assert "LOADED" not in done.stdout and "Skipping" not in done.stderr, done.stderr[-4000:]
