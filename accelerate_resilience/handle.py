@@ -267,7 +267,7 @@ class ResilienceHandle:
         self._check_open()
         self._refresh()
         restored = self.session.restore(
-            lambda: {"training": snapshot.training_state(self.accelerator)},
+            lambda: {"training": snapshot.load_target(self.accelerator)},
             step=step,
             per_rank="each rank's RNG, data loader cursor and registered objects (the resumed epoch skips its "
             "trained batches with the new sharding)",

@@ -47,6 +47,17 @@ def training_state(accelerator: Accelerator) -> dict[str, Any]:
     }
 
 
+def load_target(accelerator: Accelerator) -> dict[str, Any]:
+    """The tensors a load fills in place: the models', and with sharded (DTensor) parameters the optimizers' too,
+    which DCP must reshard into this run's layout. Other optimizers' state is read as the checkpoint holds it and
+    handed to ``optimizer.load_state_dict``, which takes a state with fewer entries (saved before the first step,
+    or while some parameters were frozen), as Accelerate's own ``load_state`` does; models stay strict."""
+    models = _unwrapped(accelerator)
+    if _sharded(models):
+        return training_state(accelerator)
+    return {"models": [model.state_dict() for model in models]}
+
+
 def sharded(accelerator: Accelerator) -> bool:
     """Whether the prepared models' parameters are DTensor shards (FSDP2)."""
     return _sharded(_unwrapped(accelerator))
