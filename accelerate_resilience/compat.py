@@ -74,6 +74,46 @@ def reports_batches(loader: Any) -> bool:
     return issubclass(type(loader), DataLoaderShard)
 
 
+class Replaced:
+    """One object's method, replaced in that object's ``__dict__`` by a call to ``function``.
+
+    Accelerate pickles its Accelerator and prepared loaders on purpose (``DataLoaderShard.__reduce__``). A pickled
+    or copied object is one the handle does not watch, so this pickles as the method it replaced, bound to the
+    copy: a closure, or the handle with its threads and locks, cannot be pickled.
+    """
+
+    def __init__(self, owner: Any, name: str, function: Callable[..., Any]):
+        self.owner, self.name, self.function = owner, name, function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _own_method, (self.owner, self.name)
+
+
+def _own_method(owner: Any, name: str) -> Any:
+    """``owner``'s method ``name`` as its class defines it (what a pickled :class:`Replaced` comes back as)."""
+    return getattr(type(owner), name).__get__(owner)
+
+
+def replace(owner: Any, name: str, function: Callable[..., Any]) -> None:
+    """``owner.name`` calls ``function`` until :func:`put_back`."""
+    owner.__dict__[name] = Replaced(owner, name, function)
+
+
+def put_back(owner: Any, *names: str) -> None:
+    for name in names:
+        if isinstance(owner.__dict__.get(name), Replaced):
+            del owner.__dict__[name]
+
+
+def replaced(owner: Any, name: str) -> Callable[..., Any] | None:
+    """The function ``owner.name`` calls in place of its own, if replaced."""
+    method = owner.__dict__.get(name)
+    return method.function if isinstance(method, Replaced) else None
+
+
 def hook(
     loader: Any, on_begin: Callable[[], None], on_batch: Callable[[], None], on_end: Callable[[], None] | None = None
 ) -> Callable[[], None]:
@@ -98,13 +138,10 @@ def hook(
         if on_end is not None:
             on_end()
 
-    loader.begin, loader._update_state_dict, loader.end = begin, update_state_dict, end
-
-    def undo() -> None:
-        for name in ("begin", "_update_state_dict", "end"):
-            loader.__dict__.pop(name, None)
-
-    return undo
+    replace(loader, "begin", begin)
+    replace(loader, "_update_state_dict", update_state_dict)
+    replace(loader, "end", end)
+    return lambda: put_back(loader, "begin", "_update_state_dict", "end")
 
 
 def epoch(loader: Any) -> int:

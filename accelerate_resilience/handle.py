@@ -94,7 +94,7 @@ class ResilienceHandle:
                 f"accelerate_resilience does not handle {accelerator.distributed_type}, whose engine keeps its "
                 "state in a checkpoint format of its own: use DDP, FSDP2 or one process, or save_state(output_dir)"
             )
-        if getattr(accelerator, "_resilience_handle", None) is not None:
+        if compat.replaced(accelerator, "save_state") is not None:
             raise ConfigError("this Accelerator already has a ResilienceHandle: attach once, and close() it first")
         self.accelerator = accelerator
         self.plugin = plugin
@@ -132,8 +132,7 @@ class ResilienceHandle:
         self._warned_untracked = False
         self._originals = {name: getattr(accelerator, name) for name in _ROUTED}
         for name in _ROUTED:
-            setattr(accelerator, name, getattr(self, f"_routed_{name}"))
-        accelerator._resilience_handle = self
+            compat.replace(accelerator, name, getattr(self, f"_routed_{name}"))
         self._closed = False
         # a loop not inside `with attach(...)` that dies on a lost peer's collective still gets its survivor save
         self._excepthook_before = sys.excepthook
@@ -346,9 +345,7 @@ class ResilienceHandle:
             hook.remove()
         if self._tracker is not None:
             self._tracker.detach()
-        for name in _ROUTED:
-            self.accelerator.__dict__.pop(name, None)
-        self.accelerator._resilience_handle = None
+        compat.put_back(self.accelerator, *_ROUTED)
 
     def _uncaught(self, kind: type[BaseException], error: BaseException, trace: Any) -> None:
         if not self._closed:

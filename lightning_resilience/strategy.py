@@ -12,6 +12,7 @@ in ``connect``, the first thing of every run (fit, validate, test, predict), bef
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -71,6 +72,16 @@ class EveryRankSaves:
         """Lightning's connect (the model's Trainer is attached by now), then the plugin learns that Trainer."""
         super().connect(model)  # type: ignore[misc]
         self.checkpoint_io.bind(model.trainer)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A Trainer is picklable (``torch.save(trainer)``, as after a ``ddp_spawn`` fit): the launcher goes
+        without the processes it started, whose handles hold locks and mean nothing to a copy."""
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[misc]
+        launcher = state.get("_launcher")
+        if getattr(launcher, "procs", None):
+            state["_launcher"] = launcher = copy.copy(launcher)
+            launcher.procs = []
+        return state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         # every rank writes its shards; rank 0's name for the checkpoint is the one all ranks use
