@@ -197,8 +197,13 @@ class ResilienceHandle:
         return step
 
     def _state(self, step: int) -> SaveState:
-        """Everything to save at ``step``: the shared training state, and each rank's own."""
-        return self._boundary_snapshot(step).shared()
+        """Everything to save at ``step``: the shared training state, and each rank's own. Registered objects that
+        only pickle could store are refused here, on every rank alike, rather than at the load."""
+        built = self._boundary_snapshot(step)
+        if compat.registered_objects(self.accelerator) and not self.manager.config.allow_pickle:
+            objects = built.rank_state["objects"]
+            self.manager.groups.control.agree(lambda: snapshot.refuse_pickles(self.accelerator, objects))
+        return built.shared()
 
     def _boundary_snapshot(self, step: int) -> BoundarySnapshot:
         """The state at ``step``'s boundary: this rank's own (RNG, data position) by value now; the shared

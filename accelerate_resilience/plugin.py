@@ -41,6 +41,7 @@ _NOTES = {
     "async_staging": "Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's, "
     "``register_for_checkpointing`` objects) must not change before that step; turn it off for those.",
     "grace_s": "The same time bounds a survivor save after a lost peer.",
+    "allow_pickle": "Off, a save refuses a ``register_for_checkpointing`` object whose state only pickle can store.",
     "persist": 'Or ``"auto"``: ``"thread"`` for one process with a model under 4 MiB, else ``"process"`` '
     "(:func:`resilience.config.auto_persist` says why).",
     "data_window_steps": "The figures are those of :meth:`ResilienceHandle.timed`.",
@@ -122,14 +123,18 @@ class ResiliencePlugin:
             than the durable tier. Costs each node, in host memory, its partner node's share of one checkpoint.
             Default: true.
         allow_pickle: Load state values that could only be saved as pickles. Off by default: a pickle from storage
-            runs code when loaded. Default: false.
+            runs code when loaded. Off, a save refuses a ``register_for_checkpointing`` object whose state only
+            pickle can store. Default: false.
         health: Watch GPU health (NVML, on CUDA), preemption signals (SIGTERM, SIGINT, SIGUSR1) and hangs; on a
             fault or signal every rank saves the same step and stops (see ``ResilienceHandle.should_stop``).
             Default: false.
-        grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must fit, the
-            upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
-            (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL. The same time
-            bounds a survivor save after a lost peer. Default: 25.
+        grace_s: Seconds from the fault (a stop signal's arrival) to the process's exit, whatever storage or the
+            network does: the emergency save commits locally, its upload gets what is left but ``exit_reserve_s``,
+            and an ``os._exit`` with the stop's code ends whatever still holds the process at the end (an upload cut
+            short is done again by the next start). The default leaves 5 s of margin in the 30 s that SLURM
+            (KillWait), Kubernetes (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and
+            SIGKILL; set it below your scheduler's. The same time bounds a survivor save after a lost peer. Default:
+            25.
         survivor_saves: When a rank dies or hangs, the healthy ranks commit the last completed step from their
             replicas and exit (needs a local tier every rank sees). Default: true.
         persist: Where the background half of a save runs (DCP write, checksums, commit, upload, retention):

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from accelerate_resilience import compat
+from resilience.checkpoint.tree import TAG, flatten
 from resilience.errors import ConfigError, IncompatibleStateError
 
 
@@ -111,6 +112,35 @@ def load_training_state(accelerator: Accelerator, state: dict[str, Any], where: 
 
 def object_states(accelerator: Accelerator) -> list[Any]:
     return [obj.state_dict() for obj in compat.registered_objects(accelerator)]
+
+
+def refuse_pickles(accelerator: Accelerator, states: list[Any]) -> None:
+    """Refuse, at the save, a registered object's state that only pickle can store (with ``allow_pickle`` off).
+
+    Its load would be refused, as a pickle runs code when loaded, and the run would learn it only at a resume,
+    with the object left as it was. Accelerate's own save pickles such state; here the user chooses.
+    """
+    for index, (obj, state) in enumerate(zip(compat.registered_objects(accelerator), states, strict=True)):
+        flat = flatten(state)
+        if flat.pickled:
+            raise ConfigError(
+                f"Object {index} registered for checkpointing ({type(obj).__name__}) returns from state_dict() a "
+                f"{_first_pickled_type(flat.skeleton)} at {flat.pickled[0]!r}, which only pickle can store, and a "
+                "pickle runs code when it is loaded. Return plain values there (numbers, strings, lists, dicts, "
+                "tensors, dates and times), or set ResiliencePlugin(allow_pickle=True) if only you can write to the "
+                "checkpoint storage"
+            )
+
+
+def _first_pickled_type(skeleton: Any) -> str:
+    """The type of the first value :func:`flatten` pickled, as its skeleton names it."""
+    nodes = [skeleton]
+    while nodes:
+        node = nodes.pop(0)
+        if isinstance(node, dict) and node.get(TAG) == "pickle":
+            return str(node.get("type"))
+        nodes.extend(node if isinstance(node, list) else node.values() if isinstance(node, dict) else [])
+    return "value"
 
 
 def load_object_states(accelerator: Accelerator, states: list[Any], where: str) -> None:

@@ -2,13 +2,15 @@
 
 DCP would pickle non-tensor values and turns integer dict keys into strings (an optimizer's ``state``
 is keyed by ints and silently stops matching). Keeping the skeleton as tagged JSON preserves key types,
-tuples and non-finite floats exactly, and means nothing but DCP's own ``.metadata`` is unpickled on load,
-unless a value could not be expressed in JSON and the user opts in with ``allow_pickle``.
+tuples, non-finite floats and the standard library's dates and times exactly, and means nothing but DCP's own
+``.metadata`` is unpickled on load, unless a value could not be expressed in JSON and the user opts in with
+``allow_pickle``.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import math
 import pickle
 from collections.abc import Mapping
@@ -76,6 +78,9 @@ class _Flattener:
             return {TAG: "dtype", "v": str(value).removeprefix("torch.")}
         if isinstance(value, torch.device):
             return {TAG: "device", "v": str(value)}
+        when = _encode_time(value)
+        if when is not None:
+            return when
         self.out.pickled.append(path or "/")
         return {
             TAG: "pickle",
@@ -177,6 +182,8 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
             return dtype
         if tag == "device":
             return torch.device(node["v"])
+        if tag in _TIME_TAGS:
+            return _decode_time(node)
         if tag == "pickle":
             if not allow_pickle:
                 raise ConfigError(
@@ -192,6 +199,46 @@ def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor], *, allow_pickl
         raise
     except (KeyError, TypeError, ValueError, RecursionError) as exc:  # a skeleton that no save could have written
         raise CorruptCheckpointError(f"{where}: the saved state is malformed ({type(exc).__name__}: {exc})") from exc
+
+
+_TIME_TAGS = ("datetime", "date", "time", "timedelta")
+
+
+def _encode_time(value: Any) -> dict[str, Any] | None:
+    """A date, time, datetime or timedelta of the standard library (not a subclass: pandas' Timestamp is one), with
+    no time zone or a fixed one; None for anything else. Users keep timestamps in the state they register."""
+    kind = type(value)
+    if kind is dt.timedelta:
+        return {TAG: "timedelta", "v": _delta(value)}
+    if kind is dt.date:
+        return {TAG: "date", "v": value.isoformat()}
+    if kind not in (dt.datetime, dt.time) or not (value.tzinfo is None or type(value.tzinfo) is dt.timezone):
+        return None
+    zone, tz = value.tzinfo, None
+    if zone is not None:
+        offset, name = zone.utcoffset(None), zone.tzname(None)
+        tz = [*_delta(offset), None if name == dt.timezone(offset).tzname(None) else name]  # given, or the default
+    return {TAG: kind.__name__, "v": value.replace(tzinfo=None).isoformat(), "fold": value.fold, "tz": tz}
+
+
+def _delta(value: dt.timedelta) -> list[int]:
+    return [value.days, value.seconds, value.microseconds]
+
+
+def _decode_time(node: dict[str, Any]) -> Any:
+    tag = node[TAG]
+    if tag == "timedelta":
+        days, seconds, microseconds = node["v"]
+        return dt.timedelta(days=days, seconds=seconds, microseconds=microseconds)
+    if tag == "date":
+        return dt.date.fromisoformat(node["v"])
+    kind = dt.datetime if tag == "datetime" else dt.time
+    tzinfo = None
+    if node["tz"] is not None:
+        days, seconds, microseconds, name = node["tz"]
+        offset = dt.timedelta(days=days, seconds=seconds, microseconds=microseconds)
+        tzinfo = dt.timezone(offset) if name is None else dt.timezone(offset, name)
+    return kind.fromisoformat(node["v"]).replace(tzinfo=tzinfo, fold=node["fold"])
 
 
 def _hashable(value: Any) -> Any:
