@@ -9,18 +9,20 @@ Trainer from Lightning's own hooks (:meth:`ResilientCheckpointIO.bind`):
 * the pack's callbacks in ``setup`` (every stage, before any load) and ``on_save_checkpoint`` (before every
   full save, also ``Trainer.save_checkpoint`` after ``fit()``).
 
-The plugin's ``teardown``, which Lightning calls at the end of every run, unbinds it. A plugin nobody bound (used
-alone with Lightning's own strategy, or a weights-only save after ``fit()``, which runs no callback hook) cannot
-tell a save inside a fit from one after it, so it takes the safe side: each save returns once its step is
-committed and its file written, and a weights-only one is written as Lightning writes it, without becoming a
-step a resume could take for a full checkpoint. The bound Trainer's loggers receive the pack's metrics and its
-hooks drive the training session.
+The plugin's ``teardown``, which Lightning calls at the end of every run, unbinds it. A plugin used alone, with
+Lightning's own strategy and no callback of the pack, binds itself to the Trainer whose strategy calls it
+(:meth:`ResilientCheckpointIO._calling_trainer`), so it too saves in the background inside a fit, as Lightning's
+AsyncCheckpointIO does. A plugin nobody bound and no strategy calls cannot tell a save inside a fit from one
+after it, so it takes the safe side: each save returns once its step is committed and its file written, and a
+weights-only one is written as Lightning writes it, without becoming a step a resume could take for a full
+checkpoint. The bound Trainer's loggers receive the pack's metrics and its hooks drive the training session.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import weakref
 from collections.abc import Collection
 from typing import Any
@@ -31,6 +33,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -214,6 +217,20 @@ class ResilientCheckpointIO(CheckpointIO):
         """
         self._trainer = trainer
 
+    def _calling_trainer(self) -> pl.Trainer | None:
+        """The bound Trainer; unbound, the one whose strategy is calling, which the plugin is then bound to.
+
+        For a plugin used alone: Lightning never tells a CheckpointIO its Trainer, and no hook of the pack's runs.
+        Lightning's strategies call the plugin from their own ``save_checkpoint`` and ``load_checkpoint``, so the
+        caller of the method that calls this is the strategy, and its model knows its Trainer. Any other caller
+        leaves the plugin unbound.
+        """
+        if self._trainer is None:
+            strategy = sys._getframe(2).f_locals.get("self")
+            if isinstance(strategy, Strategy) and strategy._checkpoint_io is self:
+                self._trainer = getattr(strategy.lightning_module, "_trainer", None)
+        return self._trainer
+
     @property
     def session(self) -> TrainingSession:
         """The training session of the bound Trainer, made at its first use on every rank together, like saves
@@ -302,7 +319,7 @@ class ResilientCheckpointIO(CheckpointIO):
         always made from the committed step. None: called by Lightning's own strategy, on rank 0 only under
         several processes.
         """
-        trainer = self._trainer
+        trainer = self._calling_trainer()
         if layout is None and is_distributed():
             # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
             # this way); a collective save would wait for ranks that never come: save as Lightning does, once.
@@ -359,14 +376,16 @@ class ResilientCheckpointIO(CheckpointIO):
             session.manager.rest(wait=False)
 
     def _say_unbound(self) -> None:
-        """Once: a large save of a plugin no hook told its Trainer waits for its commit and its file, which a user
-        who added only the plugin would not expect of an asynchronous checkpoint."""
+        """Once: a large save of a plugin that does not know its Trainer (called by something other than the
+        Trainer's strategy: a wrapping CheckpointIO, the user's code) waits for its commit and its file, which a
+        user would not expect of an asynchronous checkpoint."""
         if not self._warned_unbound:
             self._warned_unbound = True
             rank_zero_warn(
-                "ResilientCheckpointIO does not know its Trainer (no strategy or callback of the pack binds it), so "
-                "each save returns only once it is committed and its file written, as with Lightning's own plugin. "
-                "Add AutoResume() or another callback of the pack to the Trainer for saves in the background."
+                "ResilientCheckpointIO does not know its Trainer (it is called by something other than the "
+                "Trainer's strategy), so each save returns only once it is committed and its file written, as "
+                "with Lightning's own plugin. Add AutoResume() or another callback of the pack to the Trainer for "
+                "saves in the background."
             )
 
     def _plain_file(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None) -> None:
@@ -379,6 +398,7 @@ class ResilientCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        self._calling_trainer()
         step, plain = self.resolve(os.fspath(path))
         if plain is not None:  # an ordinary Lightning checkpoint, e.g. to start fine-tuning from
             return TorchCheckpointIO().load_checkpoint(plain, map_location=map_location, weights_only=weights_only)

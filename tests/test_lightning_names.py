@@ -31,9 +31,9 @@ from tests.helpers import ROOT, base_env
 
 
 class BindsThePlugin(pl.Callback):
-    """What the pack's callbacks do in their hooks: tell the plugin its Trainer. These tests are about the names
-    of saves made inside a fit; the plugin alone, which nobody binds, cannot tell those from saves after it, and
-    makes every save synchronous (:func:`test_the_plugin_alone_returns_each_save_on_disk`)."""
+    """What the pack's callbacks do in their hooks: tell the plugin its Trainer, before any save or load (the
+    plugin alone learns it from its strategy's first call: see
+    :func:`test_the_plugin_alone_saves_in_the_background_and_its_teardown_waits`)."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.on_save_checkpoint(trainer, pl_module, {})
@@ -207,33 +207,43 @@ def test_a_weights_only_name_never_stands_in_for_a_full_one(tmp_path: Path) -> N
     assert resumed.global_step == 12
 
 
-class OnDiskWhenSaved(ModelCheckpoint):
-    """Records, right after each of its saves returns, whether the file and its committed step are there."""
+class GatedNames(ModelCheckpoint):
+    """Records, right after each of its saves returns, whether the file and its committed step are there; only
+    then may that step be written (``gated_write`` in tests/workers/helper_faults.py holds the write until then)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, gates: Path, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.gates = gates
         self.found: list[tuple[bool, bool]] = []
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         manifest = Path(trainer.default_root_dir) / "ckpt" / f"step-{trainer.global_step}" / "manifest.json"
         self.found.append((os.path.isfile(filepath), manifest.exists()))
+        (self.gates / f"open-{trainer.global_step}").touch()
 
 
-def test_the_plugin_alone_returns_each_save_on_disk(tmp_path: Path) -> None:
-    """With Lightning's own strategy and no callback of the pack, nothing tells the plugin its Trainer, so it
-    cannot tell a save inside a fit from one after it: every save is committed and its file written when it
-    returns, and a weights-only one (no callback hook runs for it) is Lightning's own file, never a step that a
-    resume would take for a full checkpoint. It says so once, with the fix, when a save is large enough that a
-    bound plugin would write its name in the background."""
-    names = OnDiskWhenSaved(dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=-1)
-    trainer = trainer_for(tmp_path, names, max_steps=6, bound=False)  # names in the background, if it were bound
-    with pytest.warns(UserWarning, match="does not know its Trainer") as said:
-        trainer.fit(DemoModel(), DemoData())
-    told = [str(w.message) for w in said if "does not know its Trainer" in str(w.message)]
-    assert len(told) == 1 and "Add AutoResume()" in told[0], told
-    assert names.found == [(True, True)] * 3
-    assert_lightning_file(tmp_path / "names" / "epoch=0-step=6.ckpt", 6)
+def test_the_plugin_alone_saves_in_the_background_and_its_teardown_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    """With Lightning's own strategy and no callback of the pack, as AsyncCheckpointIO is used: its strategy's calls
+    bind the plugin to the Trainer, so a save inside the fit returns before its step is written, and the fit's
+    teardown waits for the last one. After the fit a save is on disk when it returns, and a weights-only one is
+    Lightning's own file, never a step that a resume would take for a full checkpoint."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    monkeypatch.setenv("RESILIENCE_HELPER_PRELOAD", "tests.workers.helper_faults")
+    monkeypatch.setenv("TEST_HELPER_FAULT", "gated_write")
+    monkeypatch.setenv("TEST_WRITE_GATE", str(gates))
+    names = GatedNames(gates, dirpath=tmp_path / "names", every_n_train_steps=2, save_top_k=-1)
+    trainer = trainer_for(tmp_path, names, max_steps=6, bound=False)  # names in the background
+    trainer.fit(DemoModel(), DemoData())
+    assert names.found == [(False, False)] * 3
+    assert not [w for w in recwarn if "does not know its Trainer" in str(w.message)]
+    for step in (2, 4, 6):
+        assert_lightning_file(tmp_path / "names" / f"epoch=0-step={step}.ckpt", step)
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert_lightning_file(tmp_path / "after.ckpt", 6)
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
     weights = torch.load(tmp_path / "weights.ckpt", weights_only=True)
     assert "optimizer_states" not in weights and METADATA_KEY not in weights

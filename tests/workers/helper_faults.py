@@ -5,7 +5,9 @@ path really runs, chosen by ``TEST_HELPER_FAULT``:
 * ``stall_manifest``: the local manifest write leaves the file ``TEST_READY_FILE`` and hangs, so a test can
   kill a process between the shard writes and the commit;
 * ``slow_write``: every write first leaves a ``writing-<step>`` file in the local root and waits
-  ``TEST_SLOW_WRITE_S``, so a signal can land mid-save.
+  ``TEST_SLOW_WRITE_S``, so a signal can land mid-save;
+* ``gated_write``: the write of step N waits until the file ``open-<N>`` exists in the folder ``TEST_WRITE_GATE``
+  (at most 20 s), so a test sees what a save call left before its step is written.
 """
 
 from __future__ import annotations
@@ -45,3 +47,14 @@ elif _FAULT == "slow_write":
         _write(self, job)
 
     pipeline.Pipeline._write = _slow  # type: ignore[method-assign]
+
+elif _FAULT == "gated_write":
+    _ungated = pipeline.Pipeline._write
+
+    def _gated(self: pipeline.Pipeline, job: pipeline.WriteJob) -> None:
+        gate, deadline = os.path.join(os.environ["TEST_WRITE_GATE"], f"open-{job.step}"), time.monotonic() + 20
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _ungated(self, job)
+
+    pipeline.Pipeline._write = _gated  # type: ignore[method-assign]
