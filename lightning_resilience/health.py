@@ -20,8 +20,8 @@ class HealthGuardCallback(SessionCallback):
     """Watches NVML, preemption signals and hangs; at a step boundary all ranks agree, save, commit and exit.
 
     A fatal fault (e.g. XID 79, a double-bit ECC error, a lost GPU) or a preemption signal (SIGTERM, SIGUSR1)
-    seen by any rank makes every rank save the same step, wait for the local commit within ``grace_s`` of the
-    fault (the upload gets what time is left), and exit with code 69 (GPU fault) or 75 (preemption), which
+    seen by any rank makes every rank save the same step, commit it locally, upload it in what is left of
+    ``grace_s`` from the fault, and exit within that grace with code 69 (GPU fault) or 75 (preemption), which
     torchrun's ``--max_restarts`` or a SLURM requeue turns into a restart that resumes at that step. Degraded
     faults (thermal slowdown, pending row remaps, a hang warning) are logged and counted. Faults can be
     injected for drills with ``RESILIENCE_INJECT`` (see docs/HEALTH.md). It replaces Lightning's own SIGTERM
@@ -30,9 +30,14 @@ class HealthGuardCallback(SessionCallback):
     yet. Every argument is a :class:`HealthConfig` field.
 
     Args:
-        grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must fit, the
-            upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
-            (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL.
+        grace_s: Seconds from the fault (a stop signal's arrival) to the process's exit, whatever storage or the
+            network does: the emergency save commits locally, its upload gets what is left but ``exit_reserve_s``,
+            and an ``os._exit`` with the stop's code ends whatever still holds the process at the end (an upload cut
+            short is done again by the next start). The default leaves 5 s of margin in the 30 s that SLURM
+            (KillWait), Kubernetes (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and
+            SIGKILL; set it below your scheduler's.
+        exit_reserve_s: Seconds at the end of ``grace_s`` kept for leaving (the framework's teardown, loggers, the
+            interpreter's exit) rather than for the upload.
         check_every_n_steps: Agree across ranks on steps that are multiples of this, or ``"auto"``: the ranks agree
             at each check when the next comes, so that checks take about 1% of the steps' time and at most 2 s of
             steps (at the recent pace) pass between two; planned drills are checked at their step (see
@@ -55,15 +60,17 @@ class HealthGuardCallback(SessionCallback):
         hang_window: Steps in the running median.
         exit_code_preempted: Exit code after a preemption (default 75, ``EX_TEMPFAIL``).
         exit_code_gpu_fault: Exit code after a fatal fault (default 69, ``EX_UNAVAILABLE``).
-        exit_timeout_s: After :meth:`HealthGuard.stop`, force the exit (``os._exit`` with the same code) if teardown
-            or a non-daemon thread holds the process longer than this; a worker that never exits stops an elastic
-            agent from ever restarting the group.
+        exit_timeout_s: After :meth:`HealthGuard.stop` without a stop decision (an adapter's own stop), force the
+            exit (``os._exit`` with the same code) if teardown or a non-daemon thread holds the process longer than
+            this; a worker that never exits stops an elastic agent from ever restarting the group. A decided stop is
+            bounded by ``grace_s`` instead.
         inject: Planned faults in the ``RESILIENCE_INJECT`` syntax (default: that environment variable).
     """
 
     def __init__(
         self,
         grace_s: float = 25.0,
+        exit_reserve_s: float = 5.0,
         check_every_n_steps: int | Literal["auto"] = "auto",
         save_on_degraded: bool = False,
         nvml: bool = True,

@@ -63,7 +63,7 @@ def leave_times(session: TrainingSession) -> LeaveTimes:
     guard = session.health.guard
     if guard is not None:
         codes.update((guard.config.exit_code_preempted, guard.config.exit_code_gpu_fault))
-        stop_s = max(stop_s, guard.config.grace_s + guard.config.exit_timeout_s)
+        stop_s = max(stop_s, guard.config.grace_s)  # a decided stop's process is gone by then
     return LeaveTimes(frozenset(codes), stop_s, lost_s)
 
 

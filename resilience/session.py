@@ -444,9 +444,17 @@ class TrainingSession:
             if not drained:
                 log.warning("the last saves did not finish within %.0f s of the failure", FAILED_DRAIN_S)
         elif close_manager:
-            self.manager.close()
+            self.manager.close(self._stop_work_left())
         else:
             self.manager.rest()
+
+    def _stop_work_left(self) -> float | None:
+        """After an agreed stop: the seconds its grace leaves for the last uploads (None: no bound). What is not
+        uploaded by then stays committed locally, for the next start to upload."""
+        guard = self.health.guard
+        if self.stopping is None or guard is None or guard.deadline is None:
+            return None
+        return guard.deadline.work_left()
 
     def exit(self) -> NoReturn:
         """After an agreed stop: leave the process with the stop's code, for the launcher to restart it."""

@@ -4,8 +4,9 @@ Framework-free: adapters call :class:`HealthGuard` at step boundaries. See ``doc
 """
 
 from resilience.health.config import EXIT_CODE_GPU_FAULT, EXIT_CODE_PREEMPTED, HealthConfig
+from resilience.health.emergency import EmergencySave, StopDeadline, emergency_save
 from resilience.health.faults import FaultEvent, FaultTable, Kind, Rule, Severity
-from resilience.health.guard import Action, Decision, EmergencySave, HealthGuard, emergency_save, signal_watcher
+from resilience.health.guard import Action, Decision, HealthGuard, signal_watcher
 from resilience.health.injection import Injection, InjectionSyntaxError, parse_injections
 from resilience.health.nvml import HealthMonitor
 from resilience.health.signals import SignalWatcher
@@ -31,6 +32,7 @@ __all__ = [
     "Severity",
     "SignalWatcher",
     "SimulatedNVML",
+    "StopDeadline",
     "emergency_save",
     "parse_injections",
     "signal_watcher",

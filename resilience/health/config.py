@@ -50,14 +50,20 @@ class HealthConfig:
             :mod:`~resilience.health.schedule`). Each check is one all-reduce of four int64 values on a gloo
             group.
         save_on_degraded: Also checkpoint when ranks agree on a degraded fault (training continues).
-        grace_s: Seconds from the fault to the end of the emergency save's waiting: the local commit must
-            fit, the upload gets what is left. The default fits the 30 s that SLURM (KillWait), Kubernetes
-            (terminationGracePeriodSeconds) and torchrun's agent give between SIGTERM and SIGKILL.
+        grace_s: Seconds from the fault (a stop signal's arrival) to the process's exit, whatever storage or
+            the network does: the emergency save commits locally, its upload gets what is left but
+            ``exit_reserve_s``, and an ``os._exit`` with the stop's code ends whatever still holds the process at
+            the end (an upload cut short is done again by the next start). The default leaves 5 s of margin in
+            the 30 s that SLURM (KillWait), Kubernetes (terminationGracePeriodSeconds) and torchrun's agent give
+            between SIGTERM and SIGKILL; set it below your scheduler's.
+        exit_reserve_s: Seconds at the end of ``grace_s`` kept for leaving (the framework's teardown, loggers, the
+            interpreter's exit) rather than for the upload.
         exit_code_preempted: Exit code after a preemption (default 75, ``EX_TEMPFAIL``).
         exit_code_gpu_fault: Exit code after a fatal fault (default 69, ``EX_UNAVAILABLE``).
-        exit_timeout_s: After :meth:`HealthGuard.stop`, force the exit (``os._exit`` with the same code) if
-            teardown or a non-daemon thread holds the process longer than this; a worker that never exits
-            stops an elastic agent from ever restarting the group.
+        exit_timeout_s: After :meth:`HealthGuard.stop` without a stop decision (an adapter's own stop), force the
+            exit (``os._exit`` with the same code) if teardown or a non-daemon thread holds the process longer than
+            this; a worker that never exits stops an elastic agent from ever restarting the group. A decided stop
+            is bounded by ``grace_s`` instead.
         hang_factor: Warn when a step takes longer than this times the running median (and ``hang_min_s``).
         hang_min_s: Steps shorter than this many seconds are never a hang, whatever the median.
         hang_min_samples: Steps measured before the watchdog judges.
@@ -76,6 +82,7 @@ class HealthConfig:
     check_every_n_steps: int | Literal["auto"] = "auto"
     save_on_degraded: bool = False
     grace_s: float = 25.0
+    exit_reserve_s: float = 5.0
     exit_code_preempted: int = EXIT_CODE_PREEMPTED
     exit_code_gpu_fault: int = EXIT_CODE_GPU_FAULT
     exit_timeout_s: float = 60.0
@@ -91,6 +98,11 @@ class HealthConfig:
         for name in ("poll_interval_s", "grace_s", "exit_timeout_s", "hang_min_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: use a positive number of seconds")
+        if not 0 <= self.exit_reserve_s < self.grace_s:
+            raise ConfigError(
+                f"exit_reserve_s={self.exit_reserve_s} with grace_s={self.grace_s}: keep it at 0 or more and below "
+                "grace_s, or nothing is left for the emergency save's upload"
+            )
         if self.check_every_n_steps != "auto" and (
             not isinstance(self.check_every_n_steps, int) or self.check_every_n_steps < 1
         ):

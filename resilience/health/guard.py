@@ -23,7 +23,6 @@ Typical use by an adapter::
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import sys
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from resilience.dist import Channel, is_distributed
 from resilience.errors import ConfigError
 from resilience.health.config import HealthConfig
+from resilience.health.emergency import EmergencySave, StopDeadline, emergency_save
 from resilience.health.events import EventLog, Listener
 from resilience.health.faults import GPU_FAULTS, FaultEvent, Severity
 from resilience.health.injection import FaultInjector, Injection, parse_injections
@@ -101,109 +101,6 @@ class Decision:
         return self.action is Action.SAVE_AND_STOP
 
 
-@dataclass
-class EmergencySave:
-    """What an emergency save got committed, with times measured from the fault.
-
-    ``durable_committed`` is None without a durable tier. ``already_saved``: the step had been saved
-    before the fault (a regular save at the same step); that save was waited for instead.
-    """
-
-    step: int
-    local_committed: bool = False
-    durable_committed: bool | None = None
-    already_saved: bool = False
-    block_s: float | None = None
-    fault_to_local_s: float | None = None
-    fault_to_durable_s: float | None = None
-    error: str | None = None
-
-
-def emergency_save(
-    manager: CheckpointManager,
-    step: int,
-    state: Any = None,
-    rank_state: Any = None,
-    *,
-    grace_s: float,
-    fault_time: float | None = None,
-    save: Callable[[], object] | None = None,
-) -> EmergencySave:
-    """Save ``step`` and wait for it within ``grace_s`` seconds of ``fault_time`` (default: now). Collective.
-
-    The local commit gets the time first; the durable commit gets what is left, and its upload goes on in
-    the background after this returns. Never raises for a failed save: the caller is about to stop either
-    way, and the error is in the result (and the log). ``save``, if given, replaces ``manager.save(step,
-    state, rank_state)``: a framework's own save of this step through the same manager (it builds the state).
-    """
-    start = time.time() if fault_time is None else fault_time
-    deadline = time.monotonic() + max(0.0, grace_s - (time.time() - start))
-
-    def left() -> float:
-        return max(0.0, deadline - time.monotonic())
-
-    result = EmergencySave(step, durable_committed=False if manager.durable is not None else None)
-    try:
-        result.already_saved = manager.saved(step) is not None
-        if save is not None:
-            save()
-        elif not result.already_saved:
-            handle = manager.save(step, state, rank_state)
-            if handle is None:  # the previous save was still being written and when_busy="skip"
-                manager.wait(left())
-                handle = manager.save(step, state, rank_state)
-                if handle is None:
-                    raise TimeoutError("the previous save did not finish in time, so this one was skipped")
-            result.block_s = handle.timings.get("block_s")
-        mine = manager.saved(step)
-        if mine is None:
-            raise TimeoutError(f"step {step} was not saved (the previous save was still being written)")
-        result.local_committed = _done(mine.committed, left())
-        if result.local_committed:
-            result.fault_to_local_s = time.time() - start
-            if manager.durable is not None:
-                result.durable_committed = _done(mine.durable, left())
-                if result.durable_committed:
-                    result.fault_to_durable_s = time.time() - start
-    except Exception as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    _log_emergency(manager.rank, result, grace_s)
-    return result
-
-
-def _done(future: concurrent.futures.Future[Any], timeout: float) -> bool:
-    """Whether ``future`` ended with a commit within ``timeout`` (its error, if any, is raised)."""
-    try:
-        return future.result(timeout) is not None
-    except concurrent.futures.TimeoutError:
-        return False
-
-
-def _log_emergency(rank: int, result: EmergencySave, grace_s: float) -> None:
-    if not result.local_committed:
-        log.error(
-            "rank %d: emergency save of step %d not committed within %.1f s of the fault (%s); a restart "
-            "resumes from the newest earlier checkpoint",
-            rank,
-            result.step,
-            grace_s,
-            result.error or "timed out",
-        )
-        return
-    durable = {
-        None: "no durable tier",
-        True: f"durable after {result.fault_to_durable_s or 0:.1f} s",
-        False: f"upload failed: {result.error}" if result.error else "upload still running",
-    }[result.durable_committed]
-    log.warning(
-        "rank %d: emergency save of step %d committed locally %.1f s after the fault (%s)",
-        rank,
-        result.step,
-        result.fault_to_local_s or 0.0,
-        durable,
-    )
-
-
 def signal_watcher(config: HealthConfig, events: EventLog | None = None) -> SignalWatcher:
     """The configured stop signals, ending the process with the preemption code until training begins."""
     return SignalWatcher(
@@ -212,7 +109,7 @@ def signal_watcher(config: HealthConfig, events: EventLog | None = None) -> Sign
         config.table,
         chain=config.chain_signals,
         exit_code=config.exit_code_preempted,
-        exit_timeout_s=config.exit_timeout_s,
+        exit_timeout_s=config.grace_s,  # from the signal, as a decided stop's
     )
 
 
@@ -254,6 +151,7 @@ class HealthGuard:
         self.monitor: HealthMonitor | None = None
         self.watchdog: HangWatchdog | None = None
         self.stopping: Decision | None = None
+        self.deadline: StopDeadline | None = None  # a decided stop's clock
         self._nvml = nvml
         self._injections: list[Injection] = list(self.config.injections)
         self._injector = FaultInjector([], self.rank)
@@ -413,7 +311,17 @@ class HealthGuard:
         if self.stopping is None:
             self.stopping = decision
             log.error("rank %d: all ranks save step %d and stop (exit code %d): %s", self.rank, step, exit_code, reason)
+            self._arm(fault_time, exit_code)
         return decision
+
+    def _arm(self, fault_time: float, exit_code: int) -> None:
+        """From the stop decision on, one clock (:class:`StopDeadline`): the process is gone ``grace_s`` after the
+        fault whatever holds it, and the stop's own work (the emergency save, its upload) is no hang."""
+        self.deadline = StopDeadline(fault_time, self.config.grace_s, self.config.exit_reserve_s)
+        if self.watchdog is not None:
+            self.watchdog.close()
+        grace = f"at the end of the {self.config.grace_s:g} s grace from the fault"
+        hold_exit_code(self.signals.signals, exit_code, self.deadline.exit_left(), when=grace)
 
     def emergency_save(
         self,
@@ -426,16 +334,16 @@ class HealthGuard:
     ) -> EmergencySave:
         """:func:`emergency_save` with the configured grace period, counted from this rank's fault."""
         fault_time = self.stopping.fault_time if self.stopping is not None else None
-        return emergency_save(
-            manager, step, state, rank_state, grace_s=self.config.grace_s, fault_time=fault_time, save=save
-        )
+        work_s = self.config.grace_s - self.config.exit_reserve_s  # the rest of the grace is for leaving
+        return emergency_save(manager, step, state, rank_state, grace_s=work_s, fault_time=fault_time, save=save)
 
     def stop(self, exit_code: int | None = None) -> NoReturn:
         """Leave the process with ``exit_code`` (default: the stop decision's) so a launcher restarts it.
 
-        Raises SystemExit, so ``finally`` blocks and framework teardown run, after arming a timer that
-        forces the same exit code with ``os._exit`` if the process is still alive ``exit_timeout_s`` later
-        (a hung teardown or non-daemon thread would otherwise keep an elastic agent from restarting). The stop
+        Raises SystemExit, so ``finally`` blocks and framework teardown run. A timer forces the same exit code
+        with ``os._exit`` if the process is still alive at the end of the stop's grace (armed at the decision),
+        or ``exit_timeout_s`` later without one (a hung teardown, upload or non-daemon thread would otherwise
+        keep an elastic agent from restarting, or outlast the scheduler's grace). The stop
         signals are ignored from here on, so neither a second SIGTERM during teardown nor a launcher's closing
         one during interpreter shutdown can change the exit code (:func:`hold_exit_code`).
         """
@@ -446,7 +354,8 @@ class HealthGuard:
         self._exiting = True
         self.close()
         log.warning("rank %d: exiting with code %d for the launcher to restart or requeue", self.rank, exit_code)
-        hold_exit_code(self.signals.signals, exit_code, self.config.exit_timeout_s)
+        if self.deadline is None:  # a decided stop's exit is armed already, for the end of its grace
+            hold_exit_code(self.signals.signals, exit_code, self.config.exit_timeout_s)
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(exit_code)

@@ -46,11 +46,11 @@ def parse_signal(value: str | int) -> signal.Signals:
         raise ConfigError(f"unknown signal {value!r}: use a name such as SIGTERM or SIGUSR1, or a number") from None
 
 
-def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s: float) -> None:
+def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s: float, *, when: str = "") -> None:
     """From now on the process leaves with ``exit_code``: ``signals`` are ignored (from the main thread; a handler
     left in place would be reset to the default during interpreter shutdown, and the launcher's closing SIGTERM
     would kill the process by the signal), and an ``os._exit`` with the same code ends a teardown or a non-daemon
-    thread that holds the process longer than ``timeout_s``."""
+    thread that holds the process longer than ``timeout_s`` (``when`` says what that moment is, for its line)."""
     leaving.decide(exit_code)
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
@@ -58,7 +58,8 @@ def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s:
 
     def force() -> None:
         # No logging here: its locks may be held by the very thread that is stuck.
-        os.write(2, f"resilience: still running {timeout_s:g} s after stop; forcing exit {exit_code}\n".encode())
+        moment = when or f"{timeout_s:.1f} s after the stop"
+        os.write(2, f"resilience: still running {moment}; forcing exit {exit_code}\n".encode())
         os._exit(exit_code)
 
     timer = threading.Timer(timeout_s, force)

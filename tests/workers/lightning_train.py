@@ -170,6 +170,7 @@ def main() -> None:
         "sync_dist), in file names holding it; ShowBest prints its state",
     )
     p.add_argument("--hang-min-s", type=float, default=10.0, help="the health watchdog's shortest hang")
+    p.add_argument("--grace", type=float, default=60.0, help="the health guard's grace_s")
     p.add_argument(
         "--fixed-buckets",
         action="store_true",
@@ -207,7 +208,7 @@ def main() -> None:
     if args.kill_at is not None:
         callbacks.append(KillAfter(args.kill_at, io))
     if args.health:
-        callbacks.append(HealthGuardCallback(grace_s=60, hang_min_s=args.hang_min_s, hang_min_samples=3))
+        callbacks.append(HealthGuardCallback(grace_s=args.grace, hang_min_s=args.hang_min_s, hang_min_samples=3))
     if args.victim:
         rank, step, how = args.victim.split(":")
         callbacks.append(Victim(int(rank), int(step), how))
