@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from resilience.storage.tiers import Tier
@@ -296,149 +292,3 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
-
-
-@dataclass
-class _Fault:
-    kind: str
-    method: str
-    match: str
-    times: int
-    delay_s: float
-
-
-class FaultProxy:
-    """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint that misbehaves on chosen requests.
-
-    Object stores fail in ways a local moto server never does on its own: error and throttling responses,
-    slow or lost responses, an endpoint that goes away and comes back. The proxy forwards everything to the
-    real server except the next ``times`` requests that match a fault, and it can stop listening (connection
-    refused) and start again on the same port while the server behind it keeps its state.
-
-    Faults: ``"500"`` (InternalError), ``"503"`` (SlowDown, S3's throttling), ``"drop"`` (the connection closes
-    without a response), ``"slow"`` (wait ``delay_s`` before forwarding), ``"late"`` (forward, then wait
-    ``delay_s`` before answering: the request takes effect but its response may be lost to a client timeout).
-    """
-
-    _ERRORS = {
-        "500": (500, "InternalError", "We encountered an internal error. Please try again."),
-        "503": (503, "SlowDown", "Please reduce your request rate."),
-    }
-
-    def __init__(self, upstream: str) -> None:
-        target = urlsplit(upstream)
-        self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._requests: list[tuple[str, str, str]] = []  # method, path, what happened
-        self._faults: list[_Fault] = []
-        self._lock = threading.Lock()
-        self._server: ThreadingHTTPServer | None = None
-
-    def inject(self, kind: str, *, method: str = "PUT", match: str = "", times: int = 1, delay_s: float = 0.0) -> None:
-        """Misbehave on the next ``times`` requests with ``method`` whose path contains ``match``."""
-        if kind not in (*self._ERRORS, "drop", "slow", "late"):
-            raise ValueError(f"unknown fault {kind!r}")
-        with self._lock:
-            self._faults.append(_Fault(kind, method, match, times, delay_s))
-
-    def injected(self) -> list[tuple[str, str, str]]:
-        with self._lock:
-            return [r for r in self._requests if r[2] != "forwarded"]
-
-    def _take(self, method: str, path: str) -> _Fault | None:
-        with self._lock:
-            for fault in self._faults:
-                if fault.times > 0 and fault.method == method and fault.match in path:
-                    fault.times -= 1
-                    self._requests.append((method, path, fault.kind))
-                    return fault
-            self._requests.append((method, path, "forwarded"))
-            return None
-
-    def start(self) -> FaultProxy:
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                proxy._serve(self)
-
-            do_PUT = do_POST = do_DELETE = do_HEAD = do_GET
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, args=(0.05,), name="fault-proxy", daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        """Stop listening: new connections are refused, as by a server that went away."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def _serve(self, handler: BaseHTTPRequestHandler) -> None:
-        body = _read_body(handler)
-        fault = self._take(handler.command, handler.path)
-        handler.close_connection = True  # every request on a fresh connection, so stop() cuts off everyone
-        if fault is not None and fault.kind == "drop":
-            return
-        if fault is not None and fault.kind in self._ERRORS:
-            status, code, message = self._ERRORS[fault.kind]
-            payload = f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
-            handler.send_response(status)
-            handler.send_header("Content-Type", "application/xml")
-            handler.send_header("Content-Length", str(len(payload)))
-            handler.send_header("Connection", "close")
-            handler.end_headers()
-            handler.wfile.write(payload)
-            return
-        if fault is not None and fault.kind == "slow":
-            time.sleep(fault.delay_s)
-        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
-        try:
-            headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
-            if body or handler.command in ("PUT", "POST"):
-                headers["Content-Length"] = str(len(body))
-            conn.request(handler.command, handler.path, body=body, headers=headers)
-            response = conn.getresponse()
-            payload = response.read()
-            if fault is not None and fault.kind == "late":
-                time.sleep(fault.delay_s)
-            handler.send_response(response.status)
-            for name, value in response.getheaders():
-                if name.lower() not in _HOP_BY_HOP and (handler.command == "HEAD" or name.lower() != "content-length"):
-                    handler.send_header(name, value)
-            if handler.command != "HEAD":
-                handler.send_header("Content-Length", str(len(payload)))
-            handler.send_header("Connection", "close")
-            handler.end_headers()
-            if handler.command != "HEAD":
-                handler.wfile.write(payload)
-        except OSError:
-            pass  # the client gave up (timeout) or the upstream is gone: nothing left to answer
-        finally:
-            conn.close()
-
-
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
-
-
-def _read_body(handler: BaseHTTPRequestHandler) -> bytes:
-    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
-        chunks = []
-        while True:
-            size = int(handler.rfile.readline().split(b";")[0].strip() or b"0", 16)
-            if size == 0:
-                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass
-                return b"".join(chunks)
-            chunks.append(handler.rfile.read(size))
-            handler.rfile.readline()
-    length = int(handler.headers.get("Content-Length") or 0)
-    return handler.rfile.read(length) if length else b""

@@ -29,7 +29,8 @@ from resilience.goodput.ledger import GoodputLedger
 from resilience.goodput.telemetry import CheckpointTelemetry
 from resilience.storage.catalog import scan
 from resilience.storage.tiers import LocalTier
-from tests.helpers import FaultProxy, edit_manifest, reseal
+from tests.helpers import edit_manifest, reseal
+from tests.s3_proxy import FaultProxy
 from tests.test_engine_local import make_state, manager
 from tests.test_reliability_s3 import client_options
 

@@ -19,7 +19,7 @@ import torch
 from resilience import CheckpointError, CheckpointManager
 from resilience.cli import main as cli
 from resilience.storage.tiers import DurableTier
-from tests.helpers import FaultProxy
+from tests.s3_proxy import FaultProxy
 from tests.test_engine_local import make_state
 from tests.test_engine_s3 import manager
 
