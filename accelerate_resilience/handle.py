@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from accelerate_resilience import compat, snapshot
 from accelerate_resilience.numbering import CheckpointNumbers
 from accelerate_resilience.plugin import ResiliencePlugin
+from accelerate_resilience.routes import ROUTED, ProjectFolders, Routes
 from resilience.checkpoint.manager import CheckpointManager
 from resilience.checkpoint.position import DataTracker, Position
 from resilience.checkpoint.rng import capture_rng
@@ -41,7 +42,6 @@ from resilience.session import SaveState, TrainingSession
 
 T = TypeVar("T")
 
-_ROUTED = ("save_state", "load_state", "skip_first_batches", "end_training")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 
@@ -108,7 +108,11 @@ class ResilienceHandle:
         )
         if config.persist == "thread":
             stop_early_server()
-        self.manager = CheckpointManager(barrier_for(config, compat.models(accelerator)))
+        # retention keeps the steps whose Accelerate folder is still to be written
+        self.manager = CheckpointManager(
+            barrier_for(config, compat.models(accelerator)), protected_steps=lambda: self._folders.pending_steps()
+        )
+        self._folders = ProjectFolders(accelerator, self.manager, snapshot.sharded(accelerator))
         self._sharded: bool | None = None  # whether the models are DTensor shards, once known
         self.session = TrainingSession(
             self.manager, self._state, is_main=accelerator.is_main_process, boundary=self._boundary_snapshot
@@ -130,9 +134,9 @@ class ResilienceHandle:
         self._training_loader = dataloader
         self._tracker: DataTracker | None = None
         self._warned_untracked = False
-        self._originals = {name: getattr(accelerator, name) for name in _ROUTED}
-        for name in _ROUTED:
-            compat.replace(accelerator, name, getattr(self, f"_routed_{name}"))
+        routes = Routes(self, self._folders)
+        for name in ROUTED:
+            compat.replace(accelerator, name, getattr(routes, name))
         self._closed = False
         # a loop not inside `with attach(...)` that dies on a lost peer's collective still gets its survivor save
         self._excepthook_before = sys.excepthook
@@ -157,6 +161,11 @@ class ResilienceHandle:
         return self.session.ledger
 
     @property
+    def tracker(self) -> DataTracker | None:
+        """The training loader's position tracker, once the loader is known."""
+        return self._tracker
+
+    @property
     def global_step(self) -> int:
         """Optimizer steps done (restored by :meth:`resume`)."""
         return self._numbers.optimizer_steps
@@ -178,11 +187,13 @@ class ResilienceHandle:
         self.session.start(self._numbers.current)
         at_boundary = self._boundary()  # called after a step's optimizer step: that step is complete
         if at_boundary is not None and step is None:
+            self.accelerator.project_configuration.iteration += 1
             return at_boundary  # made just now, by this call: the state at the call
         number = self._numbers.for_save() if step is None else self._own_number(int(step))
         handle = self.session.save(number)
         if handle is not None:
-            self._saved(number)
+            self._numbers.saved(number)
+            self.accelerator.project_configuration.iteration += 1  # what Accelerate's own save_state counts
         if self.ledger is not None:
             self.ledger.flush()
         return handle
@@ -236,10 +247,6 @@ class ResilienceHandle:
         training = snapshot.training_state(self.accelerator) if self._sharded else None
         return BoundarySnapshot(step, rank_state, shared)
 
-    def _saved(self, number: int) -> None:
-        self._numbers.saved(number)
-        self.accelerator.project_configuration.iteration += 1  # what Accelerate's own save_state counts
-
     def wait(self, *, durable: bool = False) -> None:
         """Block until the last save is committed locally (and uploaded, with ``durable``); raise its error."""
         self.session.wait(durable=durable)
@@ -287,7 +294,10 @@ class ResilienceHandle:
         if self.session.started:  # loaded mid-run: newer checkpoints are set aside at the next save, as on a restart
             self.manager.claim(resumed_from=restored.step)
         self.accelerator.step = progress["accelerator_step"]
-        self.accelerator.project_configuration.iteration = int(progress.get("iteration", 0))
+        # as many saves as the run had made with this one; never fewer than this process made (Accelerate's own
+        # load_state leaves the count alone), so the next folder's number is new
+        project = self.accelerator.project_configuration
+        project.iteration = max(project.iteration, int(progress.get("iteration", -1)) + 1)
         rank_state = restored.rank_state
         if rank_state is not None:
             snapshot.load_object_states(self.accelerator, rank_state["objects"], where)
@@ -343,6 +353,8 @@ class ResilienceHandle:
                 for tracker in self.accelerator.trackers:  # what end_training would do; the group goes with the process
                     tracker.finish()
                 self.session.exit()
+            if failure is None:
+                self._folders.wait()  # the folders of the last saves, and their errors
             self.session.end(failure)
 
     def _release(self) -> None:
@@ -350,7 +362,7 @@ class ResilienceHandle:
             hook.remove()
         if self._tracker is not None:
             self._tracker.detach()
-        compat.put_back(self.accelerator, *_ROUTED)
+        compat.put_back(self.accelerator, *ROUTED)
 
     def _uncaught(self, kind: type[BaseException], error: BaseException, trace: Any) -> None:
         if not self._closed:
@@ -416,7 +428,7 @@ class ResilienceHandle:
         boundary = self.session.step_end(number)
         if boundary.saved is None or boundary.saved.step != number:
             return None
-        self._saved(number)
+        self._numbers.saved(number)
         return boundary.saved
 
     @property
@@ -432,43 +444,6 @@ class ResilienceHandle:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this ResilienceHandle is closed; attach a new one")
-
-    # ---- Accelerator methods routed here ----------------------------------------------------------------------
-
-    def _routed_save_state(
-        self, output_dir: str | os.PathLike[str] | None = None, safe_serialization: bool = True, **kwargs: Any
-    ) -> str | None:
-        ours, _ = self.manager.config.locate(output_dir, "save_state")
-        if not ours:
-            return self._originals["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
-        handle = self.save()
-        return self.manager.local.step_path(handle.step) if handle is not None else None
-
-    def _routed_load_state(
-        self, input_dir: str | os.PathLike[str] | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
-    ) -> ResumePoint | None:
-        ours, step = self.manager.config.locate(input_dir, "load_state")
-        if not ours:
-            return self._originals["load_state"](input_dir, load_kwargs=load_kwargs, **kwargs)
-        return self.resume(step)  # also the examples' --resume_from_checkpoint <dir>/step-N
-
-    def _routed_skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        if isinstance(dataloader, TimedIterator):  # skip in the loader it times, and time the result
-            inner = self._routed_skip_first_batches(dataloader.iterable, num_batches)
-            return dataloader if inner is dataloader.iterable else self.timed(inner)
-        tracker = self._tracker
-        if tracker is None or dataloader is not tracker.loader:
-            return self._originals["skip_first_batches"](dataloader, num_batches)
-        if num_batches == 0:  # Accelerate would rebuild the loader, dropping a StatefulDataLoader's cursor
-            return dataloader
-        child = self._originals["skip_first_batches"](dataloader, num_batches)
-        tracker.follow_skip(child, num_batches)
-        return child
-
-    def _routed_end_training(self) -> None:
-        original = self._originals["end_training"]
-        self.close()  # before the process group goes: the last saves still need it (exits after a stop)
-        original()
 
 
 def attach(

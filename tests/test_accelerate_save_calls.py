@@ -7,35 +7,24 @@ the newest, in the same process and in a new one.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, GradientState
 
 from accelerate_resilience import ResiliencePlugin, attach
 from resilience.errors import CheckpointExistsError
 from tests.helpers import WORKERS, base_env
-from tests.test_accelerate_handle import committed_steps, new_job
+from tests.test_accelerate_handle import (
+    committed_steps,
+    fresh_accelerate,  # noqa: F401  (autouse: each test's own Accelerate)
+    new_job,
+)
 from tests.workers import accelerate_model_only
 from tests.workers.accelerate_train import train
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in list(os.environ):
-        if name.startswith("ACCELERATE_RESILIENCE_"):
-            monkeypatch.delenv(name)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -62,16 +63,24 @@ def write_sharded_name(
     if "optimizer_states" in keys:
         for i, optimizer in enumerate(skeleton.get("optimizer_states", [])):
             tree[f"optimizer_{i}"] = unflatten(optimizer, stand_ins, allow_pickle=allow_pickle, where=where)
-    parent, base = os.path.split(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    building = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(building)
-    try:
+    with folder_in_place(path) as building:
         write_view(entry, plan.metadata, tree, stand_ins, building)
         with open(os.path.join(building, META_FILE), "wb") as stream:
             torch.save({**meta, **extra}, stream)
             stream.flush()
             os.fsync(stream.fileno())
+
+
+@contextlib.contextmanager
+def folder_in_place(path: str) -> Iterator[str]:
+    """A new folder beside ``path``, to fill in the block; it becomes ``path`` once the block ends without an
+    error, so ``path`` is never a half-written checkpoint (an earlier one of that name goes then)."""
+    parent, base = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    building = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(building)
+    try:
+        yield building
         fsync_dir(building)
         _put_in_place(building, path)
     finally:

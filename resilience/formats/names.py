@@ -12,7 +12,8 @@ never exists before its data is committed, never holds a partly written file, ne
 the state in memory, and seldom reads back what was just written (its files went past the page cache).
 
 Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
-step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`).
+step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`); for Accelerate's automatic
+checkpoint naming, the folder its ``save_state`` writes (:mod:`resilience.formats.accelerate_folder`).
 
 Names are recorded in ``<local_root>/names.json`` (path, step, what was asked for), so that a name still being
 written is waited for by a load, a name whose process died before writing it is written at the next start,
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.checkpoint.staging import Loan
+from resilience.formats import accelerate_folder
 from resilience.formats.export import METADATA_KEY, remove_stale_temporaries, write_file_atomically, write_name
 from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 REGISTRY = "names.json"
 FILE = "file"  # a name's layout: one Lightning checkpoint file
 SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
+# and Accelerate's save_state folders: accelerate_folder.SAFETENSORS, accelerate_folder.PICKLED
 
 # A name meaning "the newest committed checkpoint that verifies" (AutoResume's). A JSON file, named as one: a
 # ".ckpt" name made users try torch.load on it. Roots written before keep their "resume.ckpt", still read as one.
@@ -164,6 +167,10 @@ class NameWriter:
         with self._lock:
             return self._names.get(_absolute(path))
 
+    def recorded(self) -> list[Name]:
+        with self._lock:
+            return list(self._names.values())
+
     def pending_steps(self) -> set[int]:
         """Steps a name still has to be written from (retention must keep them)."""
         with self._lock:
@@ -239,21 +246,32 @@ class NameWriter:
                     extra=extra,
                 )
             else:
-                held: Mapping[str, torch.Tensor] | None = loan.tensors if loan is not None else None
-                if loan is not None and self.off_process is not None:
-                    held = loan.by_segment()  # mapped by the helper; None: not in shared memory, read back
-                write = functools.partial(
-                    write_name,
-                    self.local,
-                    name.step,
-                    name.path,
-                    name.keys,
-                    self.metadata(name.step, name.run_id),
-                    verify=not fresh,
-                    allow_pickle=allow_pickle,
-                    storage_options=self._options.get(name.path),
-                    held=held,
-                )
+                if name.layout in (accelerate_folder.SAFETENSORS, accelerate_folder.PICKLED):
+                    write = functools.partial(
+                        accelerate_folder.write_accelerate_folder,
+                        self.local,
+                        name.step,
+                        name.path,
+                        safetensors=name.layout == accelerate_folder.SAFETENSORS,
+                        verify=not fresh,
+                        allow_pickle=allow_pickle,
+                    )
+                else:
+                    held: Mapping[str, torch.Tensor] | None = loan.tensors if loan is not None else None
+                    if loan is not None and self.off_process is not None:
+                        held = loan.by_segment()  # mapped by the helper; None: not in shared memory, read back
+                    write = functools.partial(
+                        write_name,
+                        self.local,
+                        name.step,
+                        name.path,
+                        name.keys,
+                        self.metadata(name.step, name.run_id),
+                        verify=not fresh,
+                        allow_pickle=allow_pickle,
+                        storage_options=self._options.get(name.path),
+                        held=held,
+                    )
                 if self.off_process is not None:
                     self.off_process(write)  # again elsewhere, if the helper was ended mid-file:
                     for leftover in remove_stale_temporaries(name.path):  # its temporary file stays behind

@@ -44,7 +44,7 @@ from resilience.storage.layout import (
     step_dirname,
 )
 from resilience.storage.manifest import FileEntry, Manifest
-from resilience.storage.peer_copies import send_copy
+from resilience.storage.peer_copies import CopySender, send_copy
 from resilience.storage.retention import steps_to_delete
 from resilience.storage.tiers import DurableTier, LocalTier, Tier, fsync_dir
 
@@ -148,6 +148,7 @@ class Pipeline(PersistPipeline):
         self._writer: dict[str, Any] | None = None
         self._writes = Worker("resilience-writer", self._write_next)
         self._uploads = Worker("resilience-uploader", self._upload_next)
+        self._peer_copies = CopySender(self._send_peer_copy)
 
     # ---- interface for the manager -------------------------------------------------------------------------
 
@@ -372,7 +373,7 @@ class Pipeline(PersistPipeline):
         if self.rank == 0:
             self._apply_retention(durable, protect={step})
         if job.peer is not None and manifest.run_id is not None:
-            self._send_peer_copy(job.peer, step, mine, manifest.run_id)
+            self._peer_copies.submit(job.peer, step, mine, manifest.run_id)  # never holds the next upload up
 
     def _send_peer_copy(self, peer: tuple[str, int], step: int, mine: list[FileEntry], run_id: str) -> None:
         """This rank's files of a durably committed step, to the partner node's memory (peer copies). A failure
