@@ -134,5 +134,15 @@ def test_failures_skips_and_retries_are_counted() -> None:
     telemetry = CheckpointTelemetry(sample_gpu=False)
     for kind in ("failed", "upload_retry", "upload_retry", "skipped", "deleted", "peer_copy_failed"):
         telemetry({"event": kind, "step": 5, "rank": 0, "time": time.time()})
-    assert telemetry.counts == {"failures": 1, "skipped": 1, "upload_retries": 2, "peer_copy_failures": 1}
-    assert [m for m in telemetry.drain() if "checkpoint/upload_retries" in m][-1]["checkpoint/upload_retries"] == 2.0
+    for count in (3, 4):  # the storage client's own retries come as one event per upload, with their count
+        telemetry({"event": "storage_retry", "step": 6, "rank": 0, "time": time.time(), "count": count})
+    assert telemetry.counts == {
+        "failures": 1,
+        "skipped": 1,
+        "upload_retries": 2,
+        "storage_retries": 7,
+        "peer_copy_failures": 1,
+    }
+    drained = telemetry.drain()
+    assert [m for m in drained if "checkpoint/upload_retries" in m][-1]["checkpoint/upload_retries"] == 2.0
+    assert [m["checkpoint/storage_retries"] for m in drained if "checkpoint/storage_retries" in m] == [3.0, 7.0]

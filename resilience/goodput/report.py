@@ -88,6 +88,7 @@ def render_table(summary: GoodputSummary) -> str:
             "training step after it; READ FROM: where the main process's restore read its bytes (disk: this node's "
             "copy of a durable checkpoint; peers: other nodes' memory and disks)."
         )
+    lines += _retry_lines(summary)
     lines += _stragglers(summary)
     if summary.skipped_lines:
         lines.append(
@@ -99,6 +100,28 @@ def render_table(summary: GoodputSummary) -> str:
 def _read_from(places: dict[str, float]) -> str:
     """``peers 1.2 GiB, durable 0 B``: the bytes a restore read in each place, largest first."""
     return ", ".join(f"{place} {size_text(n)}" for place, n in sorted(places.items(), key=lambda pair: -pair[1])) or "-"
+
+
+def _retry_lines(summary: GoodputSummary) -> list[str]:
+    """Retried transfers to the durable tier per incarnation: a store that throttles slows saves down without
+    failing any, and this is where that shows."""
+    total = summary.retries
+    if not any(total.values()):
+        return []
+    lines = [
+        "",
+        f"Retried requests to the durable tier (rank 0's): {total['storage']} by the storage client, "
+        f"{total['upload']} by the pack",
+    ]
+    lines.append(f"{'#':>3}  {'STORAGE CLIENT':>14}  {'PACK':>6}")
+    for inc in summary.incarnations:
+        if any(inc.retries.values()):
+            lines.append(f"{inc.index:>3}  {inc.retries.get('storage', 0):>14}  {inc.retries.get('upload', 0):>6}")
+    lines.append(
+        "STORAGE CLIENT: answers the S3 client retried on its own (throttling such as 503 SlowDown, server errors, "
+        "lost connections); PACK: file transfers the pack sent again after the client gave up."
+    )
+    return lines
 
 
 def _stragglers(summary: GoodputSummary) -> list[str]:

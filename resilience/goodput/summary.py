@@ -43,6 +43,8 @@ LABELS = {
     "other": "other (eval, logging)",
     "downtime": "downtime",
 }
+# Retries of transfers to the durable tier, by who retried: the ledger event and its running count's field.
+RETRIES = {"storage": ("save_storage_retry", "storage_retries"), "upload": ("save_upload_retry", "upload_retries")}
 
 
 @dataclass
@@ -93,6 +95,7 @@ class Incarnation:
     recovery: dict[str, float] = field(default_factory=dict)  # RECOVERY_PARTS: how it got back to training
     restart: str | None = None  # how it began after the previous one (RESTART_KINDS), None for the first
     read_from: dict[str, float] = field(default_factory=dict)  # its restore's bytes by place: disk, peers, a tier
+    retries: dict[str, int] = field(default_factory=dict)  # RETRIES: the storage client's own, the pack's
 
     @property
     def uptime_s(self) -> float:
@@ -139,6 +142,11 @@ class GoodputSummary:
         """Uptime per failure; None before the first failure."""
         return self.uptime_s / self.failures if self.failures else None
 
+    @property
+    def retries(self) -> dict[str, int]:
+        """Retries of transfers to the durable tier over the whole run, by who retried (``RETRIES``)."""
+        return {who: sum(inc.retries.get(who, 0) for inc in self.incarnations) for who in RETRIES}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_dir": self.run_dir,
@@ -151,6 +159,7 @@ class GoodputSummary:
             "failures": self.failures,
             "uptime_s": self.uptime_s,
             "observed_mtbf_s": self.observed_mtbf_s,
+            "retries": self.retries,
             "skipped_lines": self.skipped_lines,
             "incarnations": [inc.to_dict() for inc in self.incarnations],
         }
@@ -267,7 +276,17 @@ def _incarnation(index: int, path: Path, records: list[dict[str, Any]]) -> Incar
         events=[r for r in records if r["e"] not in ("start", "span")],
         recovery=recovery,
         read_from={k[5:-6]: float(v) for k, v in restore.items() if k.startswith("from_") and k.endswith("_bytes")},
+        retries=_retries(records),
     )
+
+
+def _retries(records: list[dict[str, Any]]) -> dict[str, int]:
+    """Each kind of retry's count in one incarnation: the highest running count its events carry (a torn last
+    line loses nothing the next event would not repeat)."""
+    return {
+        who: int(max((float(r.get(name, 0)) for r in records if r["e"] == event), default=0))
+        for who, (event, name) in RETRIES.items()
+    }
 
 
 def _span(record: dict[str, Any]) -> Span:

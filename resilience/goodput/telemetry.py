@@ -26,6 +26,7 @@ _COUNTED = {
     "failed": "failures",
     "skipped": "skipped",
     "upload_retry": "upload_retries",
+    "storage_retry": "storage_retries",  # its ``count``: answers the storage client retried on its own
     "peer_copy_failed": "peer_copy_failures",
 }
 
@@ -135,7 +136,7 @@ class CheckpointTelemetry:
         self.ledger = ledger
         self.gpu = GpuUtilSampler.create(nvml, gpu_index, gpu_every_s) if sample_gpu else None
         self.records: list[dict[str, float]] = []
-        self.counts = {"failures": 0, "skipped": 0, "upload_retries": 0, "peer_copy_failures": 0}
+        self.counts = dict.fromkeys(_COUNTED.values(), 0)
         self._pending: collections.deque[dict[str, float]] = collections.deque()
 
     def __call__(self, event: dict[str, Any]) -> None:
@@ -152,7 +153,7 @@ class CheckpointTelemetry:
             }
         elif kind in _COUNTED:
             name = _COUNTED[kind]
-            self.counts[name] += 1
+            self.counts[name] += int(event.get("count", 1))
             metrics = {PREFIX + name: float(self.counts[name])}
         if metrics is None:
             return

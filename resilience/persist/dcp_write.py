@@ -11,6 +11,8 @@ the writer makes each such pair once and writes the three pieces.
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -123,3 +125,14 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__.split("+")[0],
         "python": sys.version.split()[0],
     }
+
+
+def space_hint(directory: str, need: int) -> str:
+    """Name a full disk: ENOSPC inside ``torch.save`` surfaces only as its zip writer's "unexpected pos" error."""
+    try:
+        free = shutil.disk_usage(directory if os.path.isdir(directory) else os.path.dirname(directory)).free
+    except OSError:
+        return ""
+    if free >= need:
+        return ""
+    return f"; only {free} bytes are free under {directory}, less than the {need} bytes to write: the disk is full"

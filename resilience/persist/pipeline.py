@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 import traceback
 import uuid
@@ -28,10 +27,10 @@ from resilience.config import CheckpointConfig
 from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.persist import Failures, PersistPipeline
-from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, versions
+from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, space_hint, versions
 from resilience.persist.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
 from resilience.persist.worker import Worker
-from resilience.storage import proofs
+from resilience.storage import client_retries, proofs
 from resilience.storage.catalog import scan
 from resilience.storage.fencing import DurableGuard, foreign_steps
 from resilience.storage.layout import (
@@ -141,6 +140,7 @@ class Pipeline(PersistPipeline):
         self._plan_cache_key = f"resilience-{uuid.uuid4().hex}"  # this pipeline's group (see PiecePlanner)
         self.failures = Failures()
         self._uploading: set[int] = set()
+        self._client_retries = client_retries.Tally()  # answers the storage client retried on its own
         self._guard = DurableGuard(durable) if durable is not None else None
         # whose saves these are (from the save jobs: the pipeline may run in a helper): retention keeps to this
         # run's steps, and the durable tier is changed only while this job (its owner's token) holds the lease
@@ -280,7 +280,7 @@ class Pipeline(PersistPipeline):
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             log.debug("write of step %s failed on rank %s:\n%s", job.step, self.rank, traceback.format_exc())
-            raise CheckpointError(describe(exc, self.rank) + _space_hint(local_dir, job.staging.nbytes)) from None
+            raise CheckpointError(describe(exc, self.rank) + space_hint(local_dir, job.staging.nbytes)) from None
         return entries, timings
 
     def _write_json(self, directory: str, name: str, skeleton: Any) -> None:
@@ -333,13 +333,23 @@ class Pipeline(PersistPipeline):
             self.events.emit("upload_skipped", job.step, reason=f"superseded by step {pick}")
         if chosen is not None:
             self._upload(chosen)
+            self._report_client_retries(chosen.step)
             with self._uploads.cond:
                 self._uploading.discard(chosen.step)
+
+    def _report_client_retries(self, step: int) -> None:
+        """The answers the storage client retried on its own since the last upload (throttling, mostly), as one
+        event: they cost time without failing anything, so nothing else would show them."""
+        count = self._client_retries.take()
+        if count:
+            log.info("step %d: the storage client retried %d request(s) (throttling or storage errors)", step, count)
+            self.events.emit("storage_retry", step, count=count)
 
     def _upload(self, job: UploadJob) -> None:
         assert self.durable is not None
         step, durable = job.step, self.durable
         t0 = time.monotonic()
+        client_retries.watch(durable)
         mine = [entry for entry in job.manifest.files if entry.rank == self.rank]
         try:
             self.upload_channel.decide(
@@ -477,14 +487,3 @@ def _write_error(exc: BaseException, step: int, local_dir: str) -> CheckpointErr
 def _why(exc: BaseException) -> str:
     """An error's own words when the engine raised it for a reason of its own; else its type and first line."""
     return str(exc) if type(exc) is CheckpointError else describe(exc)
-
-
-def _space_hint(directory: str, need: int) -> str:
-    """Name a full disk: ENOSPC inside ``torch.save`` surfaces only as its zip writer's "unexpected pos" error."""
-    try:
-        free = shutil.disk_usage(directory if os.path.isdir(directory) else os.path.dirname(directory)).free
-    except OSError:
-        return ""
-    if free >= need:
-        return ""
-    return f"; only {free} bytes are free under {directory}, less than the {need} bytes to write: the disk is full"
