@@ -58,6 +58,11 @@ class HealthGuardCallback(SessionCallback):
         hang_min_s: Steps shorter than this many seconds are never a hang, whatever the median.
         hang_min_samples: Steps measured before the watchdog judges.
         hang_window: Steps in the running median.
+        hang_exit_s: A hang that goes on this many seconds after it was reported ends the process with
+            ``exit_code_gpu_fault`` (a resource, a peer or the storage, is unavailable): after a survivor save when
+            a peer is known lost, else with nothing more saved (no save can be agreed while the ranks are stuck),
+            for the launcher or scheduler to restart the job from its last checkpoint. None: hangs are only
+            reported. Keep it above ``resilience launch``'s ``--node-lost-s`` plus a save.
         exit_code_preempted: Exit code after a preemption (default 75, ``EX_TEMPFAIL``).
         exit_code_gpu_fault: Exit code after a fatal fault (default 69, ``EX_UNAVAILABLE``).
         exit_timeout_s: After :meth:`HealthGuard.stop` without a stop decision (an adapter's own stop), force the
@@ -83,6 +88,7 @@ class HealthGuardCallback(SessionCallback):
         hang_min_s: float = 10.0,
         hang_min_samples: int = 5,
         hang_window: int = 100,
+        hang_exit_s: float | None = 60.0,
         exit_code_preempted: int = 75,
         exit_code_gpu_fault: int = 69,
         exit_timeout_s: float = 60.0,

@@ -69,9 +69,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     empty = [tier for tier, entries in scanned if not entries]
     for tier, entry in [(tier, entry) for tier, entries in scanned for entry in entries]:
         manifest = entry.manifest
+        status, problem = _status(entry)
         rows.append(
             {
                 "step": entry.step,
+                "status": status,
                 "committed": manifest is not None,
                 "scope": None if manifest is None else ("all ranks" if manifest.is_global else "node"),
                 "world_size": None if manifest is None else manifest.world_size,
@@ -79,7 +81,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "created": None if manifest is None else _iso(manifest.created_unix),
                 "tier": tier.name,
                 "path": tier.display(entry.path),
-                "problem": entry.problem,
+                "problem": problem,
             }
         )
     rows.sort(key=lambda r: (-r["step"], r["tier"]))
@@ -93,12 +95,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"{'STEP':>8}  {'STATUS':<11}  {'WORLD':>5}  {'SIZE':>10}  {'CREATED':<20}  {'TIER':<7}  PATH")
     for r in rows:
-        status = "committed" if r["committed"] else "incomplete"
         print(
-            f"{r['step']:>8}  {status:<11}  {r['world_size'] or '-':>5}  {size_text(r['bytes']):>10}  "
+            f"{r['step']:>8}  {r['status']:<11}  {r['world_size'] or '-':>5}  {size_text(r['bytes']):>10}  "
             f"{r['created'] or '-':<20}  {r['tier']:<7}  {r['path']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return EXIT_OK
+
+
+def _status(entry: catalog.Entry) -> tuple[str, str | None]:
+    """A row's status and problem: ``incomplete`` (no valid manifest), ``damaged`` (a file the manifest lists is
+    missing or at another size: one listing tells, with no checksum), or ``committed``."""
+    if entry.manifest is None:
+        return "incomplete", entry.problem
+    found = catalog.damage(entry)
+    if found is not None:
+        item, what = found
+        return "damaged", f"file {item.path} {what}"
+    return "committed", None
 
 
 def _no_checkpoints(tier: Tier) -> str:
@@ -116,14 +129,18 @@ def _no_checkpoints(tier: Tier) -> str:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    entries = [entry for _, entry in _entries(args)]
+    """Check every committed step; a folder without a manifest is a save or upload that has not finished (or
+    never will): it is listed, not failed, since there is nothing it claims to hold that could be checked."""
+    found = [entry for _, entry in _entries(args)]
     if args.step is not None:
-        entries = [e for e in entries if e.step == args.step]
-        if not entries:
-            print(f"FAIL no checkpoint of step {args.step} under {', '.join(args.roots)}")
-            return EXIT_NOT_FOUND
-    elif not entries:
-        print(f"FAIL no checkpoints under {', '.join(args.roots)}")
+        found = [e for e in found if e.step == args.step]
+    unfinished = [e for e in found if e.problem == catalog.NOT_COMMITTED]
+    for entry in unfinished:
+        print(f"SKIP {entry.where()}: {catalog.NOT_COMMITTED}: a save or upload that did not finish, not a checkpoint")
+    entries = [e for e in found if e.problem != catalog.NOT_COMMITTED]
+    if not entries:
+        what = f"checkpoint of step {args.step}" if args.step is not None else "checkpoints"
+        print(f"FAIL no committed {what} under {', '.join(args.roots)}")
         return EXIT_NOT_FOUND
     failed = 0
     for entry in entries:
@@ -329,12 +346,17 @@ def build_parser() -> argparse.ArgumentParser:
             help="fsspec option for URL roots (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
         )
 
-    ls = sub.add_parser("ls", help="list checkpoints: step, committed or not, world size, size, time, tier")
+    ls = sub.add_parser(
+        "ls", help="list checkpoints: step, status (committed, damaged, incomplete), world size, size, time, tier"
+    )
     with_roots(ls)
     ls.add_argument("--json", action="store_true", help="machine-readable output")
     ls.set_defaults(func=cmd_ls)
 
-    verify = sub.add_parser("verify", help="check files against manifests; exit 0 only if all verify")
+    verify = sub.add_parser(
+        "verify",
+        help="check committed steps against their manifests (unfinished ones are listed); exit 0 if all verify",
+    )
     with_roots(verify)
     verify.add_argument("--step", type=int, help="only this step")
     verify.add_argument("--quick", action="store_true", help="sizes only for shards (checksums of small files)")

@@ -19,6 +19,12 @@ def decide(code: int) -> None:
         _code = code
 
 
+def cancel() -> None:
+    """The process stays after all (a stop decided, then called off by its caller, as tests do in-process)."""
+    global _code
+    _code = None
+
+
 def decided() -> int | None:
     """The exit code decided, or None while the process is not leaving."""
     return _code

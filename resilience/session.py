@@ -9,7 +9,7 @@ The session owns the rest, composed of parts, each in the subpackage of what it 
 * :class:`~resilience.health.session_health.SessionHealth`: at each boundary the ranks agree on faults and
   preemption signals; a stop is an emergency save within the grace period, returned to the adapter as a
   :class:`Boundary` with the exit code (never raised from inside a framework's data loader);
-* :class:`~resilience.recovery.peer_loss.SessionPeerLoss`: when a peer dies or hangs, the survivors save;
+* :class:`~resilience.recovery.session_peers.SessionPeerLoss`: when a peer dies or hangs, the survivors save;
 * :class:`~resilience.health.stragglers.SessionStragglers`: every few dozen steps the ranks compare how their
   steps split (data wait, compute, waiting in collectives) and name a rank persistently slower than the others;
 * :class:`~resilience.goodput.accounting.SessionGoodput`: the time saves blocked training (their staging waits
@@ -58,13 +58,8 @@ from resilience.health import Decision, EmergencySave, HealthConfig, HealthGuard
 from resilience.health.session_health import SessionHealth
 from resilience.health.stragglers import SessionStragglers, StragglerConfig
 from resilience.recovery import inplace
-from resilience.recovery.peer_loss import (
-    BoundaryBuilder,
-    PeerLossConfig,
-    PeerLossWatch,
-    SessionPeerLoss,
-    boundary_from_state,
-)
+from resilience.recovery.peer_loss import BoundaryBuilder, PeerLossConfig, PeerLossWatch, boundary_from_state
+from resilience.recovery.session_peers import SessionPeerLoss
 
 log = logging.getLogger(__name__)
 FAILED_DRAIN_S = 30.0  # after a failure, how long the last saves may still take before the session ends
@@ -148,7 +143,9 @@ class TrainingSession:
             over=lambda: self.ended,
             is_main=self.is_main,
         )
-        self.health = SessionHealth(manager, emit=self.sinks.emit, on_hang=self.peers.hang_seen)
+        self.health = SessionHealth(
+            manager, emit=self.sinks.emit, on_hang=self.peers.hang_seen, rescuing=self.peers.rescuing
+        )
         self.resume = SessionResume(manager, is_main=self.is_main, on_restored=self.goodput.restored)
         self.stragglers = SessionStragglers(
             manager, emit=self.sinks.emit, record=self.goodput.note, data_wait=lambda: self.goodput.data_wait_s

@@ -51,6 +51,18 @@ def test_verify_takes_a_step_folder(root: Path, capsys: pytest.CaptureFixture[st
     assert cli(["ls", str(root / "step-3"), "--json"]) == EXIT_OK
 
 
+def test_verify_reports_an_unfinished_folder_without_failing(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (root / "step-5").mkdir()  # a save cut short: shards, no manifest
+    (root / "step-5" / "__0_0.distcp").write_bytes(b"partial")
+    assert cli(["verify", str(root)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "SKIP step 5" in out and "not committed" in out and "OK   step 3" in out
+    assert cli(["verify", str(root), "--step", "5"]) == EXIT_NOT_FOUND  # no checkpoint of step 5 to check
+    shard = next(root.glob("step-3/__*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert cli(["verify", str(root)]) == EXIT_FAILED  # a committed step that fails still fails
+
+
 def test_version_and_a_closed_pipe(root: Path) -> None:
     shown = run("--version")
     assert shown.returncode == 0 and __version__ in shown.stdout

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from resilience import CheckpointConfig, CheckpointError, CheckpointManager, ConfigError
+from resilience.storage.tiers import DurableTier
 from tests.helpers import S3_ENV, MotoServer
 from tests.test_engine_local import make_state
 
@@ -47,8 +49,6 @@ def test_upload_commits_remotely_and_a_fresh_node_resumes_from_the_url(tmp_path:
 def test_an_exclusive_write_refuses_a_key_that_exists(s3: dict[str, object]) -> None:
     """A manifest PUT carries If-None-Match: * (botocore from 1.35.21; s3fs's pipe_file(mode="create")), and
     the server refuses it where the key exists (moto from 5.0.15): a committed manifest is never replaced."""
-    from resilience.storage.tiers import DurableTier
-
     tier = DurableTier(str(s3["url"]), s3["options"])  # type: ignore[arg-type]
     path = f"{tier.root}/step-1/manifest.json"
     tier.write_exclusive(path, b"first")
@@ -57,22 +57,34 @@ def test_an_exclusive_write_refuses_a_key_that_exists(s3: dict[str, object]) -> 
     assert tier.read_bytes(path) == b"first"
 
 
-def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
-    tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import threading
+def saved(root: Path, s3: dict[str, object], steps: list[int]) -> str:
+    """A run that saved ``steps``, each committed in both tiers; its run id."""
+    with manager(root, s3, keep_last=3) as m:
+        for step in steps:
+            m.save(step, make_state(step))
+            assert m.wait(durable=True)
+        assert m.run_id is not None
+        return m.run_id
 
-    from resilience.storage.tiers import DurableTier
 
+def hold_uploads(monkeypatch: pytest.MonkeyPatch, match: str) -> threading.Event:
+    """Hold every upload of a file whose path contains ``match`` (in this process) until the event is set."""
     gate = threading.Event()
     original = DurableTier.put_file
 
-    def slow_put(self: DurableTier, local_path: str, path: str, callback: object = None) -> None:
-        if "step-1/" in path:
-            gate.wait(30)
+    def held(self: DurableTier, local_path: str, path: str, callback: object = None) -> None:
+        if match in path:
+            gate.wait(120)
         original(self, local_path, path, callback)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(DurableTier, "put_file", slow_put)
+    monkeypatch.setattr(DurableTier, "put_file", held)
+    return gate
+
+
+def test_a_slow_upload_is_not_queued_behind_newer_checkpoints(
+    tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = hold_uploads(monkeypatch, "step-1/")
     events: list[dict[str, object]] = []
     with manager(tmp_path, s3, keep_last=3) as m:
         m.add_listener(events.append)

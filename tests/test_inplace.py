@@ -408,7 +408,9 @@ def test_two_accelerate_nodes_with_their_own_disks_restart_in_place_from_the_las
     codes = wait_all(procs, out)
     output = (out / "node-0.log").read_text() + (out / "node-1.log").read_text()
     assert codes == [0, 0], output[-6000:]
-    assert output.count("survivor saves need a local tier every rank sees") == 1, "said once, not per generation"
+    assert output.count("survivor saves of a lost rank need a local tier every rank sees") == 1, (
+        "said once, not per generation"
+    )
     # the lost peer's error, handled by the restart: one line, its traceback at DEBUG only
     assert "Traceback" not in output and "rank 0: training ended as a peer was lost" in output, output[-6000:]
     node_1 = (out / "node-1.log").read_text()

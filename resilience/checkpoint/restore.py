@@ -37,7 +37,14 @@ from resilience.goodput.ledger import LOAD_PARTS
 from resilience.progress import still_going
 from resilience.storage import catalog
 from resilience.storage.dcp_fs import LocalCopy, NearCopies
-from resilience.storage.layout import CORRUPT_MANIFEST, MANIFEST, QUARANTINE_DIR, aside_name, parse_step_dirname
+from resilience.storage.layout import (
+    CORRUPT_MANIFEST,
+    MANIFEST,
+    QUARANTINE_DIR,
+    WRITER_FILE,
+    aside_name,
+    parse_step_dirname,
+)
 from resilience.storage.peer_copies import Address, PeerCopies
 from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import DurableTier, LocalTier, Tier
@@ -67,6 +74,7 @@ class Restorer:
         self.rank = rank
         self.world_size = world_size
         self.peer_servers = peer_servers or []  # the nodes' peer-copy servers (peer copies)
+        self._unmanifested: list[catalog.Entry] = []  # rank 0: durable step folders without a manifest, as listed
 
     def latest(self) -> catalog.Entry | None:
         """The newest committed checkpoint that verifies, agreed by all ranks."""
@@ -89,6 +97,8 @@ class Restorer:
                     )
                 if self.rank == 0 and (note := set_aside_note(self.local, self.durable)) is not None:
                     log.warning("%s", note)
+                if step is None:
+                    self._say_unmanifested(None)
                 return None
             began = time.monotonic()
             try:
@@ -107,7 +117,17 @@ class Restorer:
             # where this rank's bytes came from, for the goodput ledger (a recovery from peers shows as such)
             read = entry.near.read if isinstance(entry.near, NearCopies) else {}
             restored.timings = timings | {f"from_{place}_bytes": float(size) for place, size in read.items()}
+            if step is None:
+                self._say_unmanifested(entry.step)
             return restored
+
+    def _say_unmanifested(self, resumed: int | None) -> None:
+        """Rank 0, after a resume of the newest checkpoint at ``resumed`` (None: none was found): one line for the
+        durable step folders newer than it that hold files but no manifest. Nothing commits them, so they were
+        skipped; but their files say a checkpoint was there: its manifest was deleted, or its upload never
+        finished."""
+        if self.rank == 0 and (note := unmanifested_note(self._unmanifested, resumed)) is not None:
+            log.warning("%s", note)
 
     def _judge(self, entry: catalog.Entry, failure: CheckpointError) -> None:
         """Say why a copy whose read failed is skipped, and set it aside only on evidence that it is damaged."""
@@ -178,9 +198,11 @@ class Restorer:
         spent = timings if timings is not None else dict.fromkeys(LOAD_PARTS, 0.0)
 
         def listed() -> list[tuple[str, int, str, Any, str | None]]:
+            found = [e for tier in (self.local, self.durable) if tier is not None for e in catalog.scan(tier)]
+            self._unmanifested = [e for e in found if e.tier is self.durable and e.problem == catalog.NOT_COMMITTED]
             return [
                 (e.tier.name, e.step, e.path, e.manifest, e.problem)
-                for e in catalog.candidates([self.local, self.durable], invalid=True)
+                for e in catalog.ranked(found, invalid=True)
                 if (step is None or e.step == step) and (e.step, e.tier.name) not in (rejected or set())
             ]
 
@@ -311,6 +333,32 @@ def set_aside_note(local: LocalTier, durable: DurableTier | None) -> str | None:
         f"corrupt (in {local.path(QUARANTINE_DIR)}, or as durable manifests renamed {CORRUPT_MANIFEST}<time>). If "
         f"one is sound, put it back before training on, e.g. step {newest.step}: {newest.back}, then run "
         f"`resilience verify {newest.root} --step {newest.step}`"
+    )
+
+
+def unmanifested_note(entries: list[catalog.Entry], resumed: int | None) -> str | None:
+    """One line naming the durable step folders newer than ``resumed`` (None: every one) that hold files but no
+    manifest (nor one set aside as corrupt or superseded, which other lines tell of); None when there are none,
+    or they cannot be listed (the line must not stop a resume)."""
+    found: list[str] = []
+    for entry in sorted(entries, key=lambda e: -e.step):
+        if resumed is not None and entry.step <= resumed:
+            continue
+        try:
+            names = entry.tier.file_sizes(entry.path)
+        except OSError:
+            continue
+        if not names or any(name.startswith(MANIFEST) for name in names):
+            continue
+        why = "its upload never finished" if WRITER_FILE in names else "its manifest.json was deleted"
+        found.append(f"step {entry.step} ({entry.tier.display(entry.path)}: {len(names)} files, no manifest; {why}?)")
+    if not found:
+        return None
+    since = f"resumed from step {resumed}" if resumed is not None else "starts from step 0"
+    return (
+        f"the durable tier holds {'; '.join(found)}: skipped, as only a manifest commits a checkpoint; this run "
+        f"{since}. A node whose local tier still holds such a step can put it back: `resilience upload "
+        "LOCAL_ROOT DURABLE_URL --step N`"
     )
 
 

@@ -68,6 +68,11 @@ class HealthConfig:
         hang_min_s: Steps shorter than this many seconds are never a hang, whatever the median.
         hang_min_samples: Steps measured before the watchdog judges.
         hang_window: Steps in the running median.
+        hang_exit_s: A hang that goes on this many seconds after it was reported ends the process with
+            ``exit_code_gpu_fault`` (a resource, a peer or the storage, is unavailable): after a survivor save when
+            a peer is known lost, else with nothing more saved (no save can be agreed while the ranks are stuck),
+            for the launcher or scheduler to restart the job from its last checkpoint. None: hangs are only
+            reported. Keep it above ``resilience launch``'s ``--node-lost-s`` plus a save.
         watchdog: Run the hang watchdog.
         collective_timeout_s: Timeout of the health check's gloo group.
         inject: Planned faults in the ``RESILIENCE_INJECT`` syntax (default: that environment variable).
@@ -90,11 +95,14 @@ class HealthConfig:
     hang_min_s: float = 10.0
     hang_min_samples: int = 5
     hang_window: int = 100
+    hang_exit_s: float | None = 60.0
     watchdog: bool = True
     collective_timeout_s: float = 600.0
     inject: str | None = field(default_factory=lambda: os.environ.get(ENV_VAR))
 
     def __post_init__(self) -> None:
+        if self.hang_exit_s is not None and self.hang_exit_s <= 0:
+            raise ConfigError(f"hang_exit_s={self.hang_exit_s}: use positive seconds, or None to only report hangs")
         for name in ("poll_interval_s", "grace_s", "exit_timeout_s", "hang_min_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}: use a positive number of seconds")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 
+from resilience import leaving
 from resilience.dist import Channel, is_distributed
 from resilience.errors import ConfigError
 from resilience.health.config import HealthConfig
@@ -152,6 +153,9 @@ class HealthGuard:
         self.watchdog: HangWatchdog | None = None
         self.stopping: Decision | None = None
         self.deadline: StopDeadline | None = None  # a decided stop's clock
+        self._exit_timer: threading.Timer | None = None  # its forced exit, at the end of the grace
+        # whether a survivor save is under way, which a hang past hang_exit_s waits for (the session sets it)
+        self.rescue_under_way: Callable[[], bool] = lambda: False
         self._nvml = nvml
         self._injections: list[Injection] = list(self.config.injections)
         self._injector = FaultInjector([], self.rank)
@@ -208,9 +212,33 @@ class HealthGuard:
                 min_s=self.config.hang_min_s,
                 min_samples=self.config.hang_min_samples,
                 window=self.config.hang_window,
+                stuck_s=self.config.hang_exit_s,
+                on_stuck=self._stuck,
             )
             self.watchdog.start()
         return self
+
+    def _stuck(self, elapsed: float, step: int) -> None:
+        """From the watchdog: a hang went on ``hang_exit_s`` past its report. Unless a survivor save is under way
+        (it saves and leaves by itself) or a stop is (its own clock ends it), the process leaves now, with the
+        fault code: no save can be agreed while ranks are stuck, and a restart from the last checkpoint beats a
+        wait for a collective that may never end (gloo's default timeout is 30 minutes, NCCL's 10)."""
+        if self.stopping is not None or self.rescue_under_way():
+            return
+        code = self.config.exit_code_gpu_fault
+        log.error(
+            "rank %d: stuck for %.0f s in the step after step %d, %.0f s past the hang report (hang_exit_s): a peer "
+            "that does not answer, storage that stopped, or a store that never replies. Nothing more can be saved "
+            "while the ranks are stuck: exiting with code %d, for a restart from the last checkpoint",
+            self.rank,
+            elapsed,
+            step,
+            self.config.hang_exit_s or 0.0,
+            code,
+        )
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
     def _simulated(self, nvml: Any, mine: list[Injection]) -> SimulatedNVML | None:
         """The NVML stand-in GPU faults are injected into, or None when none are planned for this rank."""
@@ -230,6 +258,9 @@ class HealthGuard:
             return
         self._closed = True
         if not self._exiting:
+            if self._exit_timer is not None:  # a decided stop its caller did not carry out: the process stays
+                self._exit_timer.cancel()
+                leaving.cancel()
             self.signals.restore()
             # A framework may put the watcher's handler back later (Lightning does at the end of a fit): it then
             # passes signals on, and must not keep this run's listeners (the session, the Trainer) alive.
@@ -321,7 +352,7 @@ class HealthGuard:
         if self.watchdog is not None:
             self.watchdog.close()
         grace = f"at the end of the {self.config.grace_s:g} s grace from the fault"
-        hold_exit_code(self.signals.signals, exit_code, self.deadline.exit_left(), when=grace)
+        self._exit_timer = hold_exit_code(self.signals.signals, exit_code, self.deadline.exit_left(), when=grace)
 
     def emergency_save(
         self,

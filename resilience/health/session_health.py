@@ -34,14 +34,21 @@ class SessionHealth:
         manager: Told when this rank's device must not be read again.
         emit: Where the fault counts and an emergency save's figures go.
         on_hang: Called from the watchdog's thread when training hangs.
+        rescuing: Whether a survivor save is under way (a hang past ``hang_exit_s`` leaves it to finish).
     """
 
     def __init__(
-        self, manager: CheckpointManager, *, emit: Callable[[dict[str, float]], None], on_hang: Callable[[], None]
+        self,
+        manager: CheckpointManager,
+        *,
+        emit: Callable[[dict[str, float]], None],
+        on_hang: Callable[[], None],
+        rescuing: Callable[[], bool],
     ) -> None:
         self._manager = manager
         self._emit = emit
         self._on_hang = on_hang
+        self._rescuing = rescuing
         self.guard: HealthGuard | None = None
         self._events: list[FaultEvent] = []
 
@@ -49,6 +56,7 @@ class SessionHealth:
         """Watch GPU health, preemption signals and hangs; collective (it creates the check's gloo group)."""
         if self.guard is None:
             self.guard = HealthGuard(config, nvml=nvml, listeners=[self._event], signals=signals)
+            self.guard.rescue_under_way = self._rescuing
         return self.guard
 
     def _event(self, event: FaultEvent) -> None:

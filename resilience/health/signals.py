@@ -46,11 +46,14 @@ def parse_signal(value: str | int) -> signal.Signals:
         raise ConfigError(f"unknown signal {value!r}: use a name such as SIGTERM or SIGUSR1, or a number") from None
 
 
-def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s: float, *, when: str = "") -> None:
+def hold_exit_code(
+    signals: Sequence[signal.Signals], exit_code: int, timeout_s: float, *, when: str = ""
+) -> threading.Timer:
     """From now on the process leaves with ``exit_code``: ``signals`` are ignored (from the main thread; a handler
     left in place would be reset to the default during interpreter shutdown, and the launcher's closing SIGTERM
     would kill the process by the signal), and an ``os._exit`` with the same code ends a teardown or a non-daemon
-    thread that holds the process longer than ``timeout_s`` (``when`` says what that moment is, for its line)."""
+    thread that holds the process longer than ``timeout_s`` (``when`` says what that moment is, for its line).
+    Returns the timer: cancelled, and with :func:`resilience.leaving.cancel`, the process stays after all."""
     leaving.decide(exit_code)
     if threading.current_thread() is threading.main_thread():
         for signum in signals:
@@ -65,6 +68,7 @@ def hold_exit_code(signals: Sequence[signal.Signals], exit_code: int, timeout_s:
     timer = threading.Timer(timeout_s, force)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 def _expect_loader_workers_to_die() -> None:

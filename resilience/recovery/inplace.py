@@ -98,6 +98,13 @@ def joined_key(generation: int, node: int) -> str:
     return f"joined/{generation}/{node}"
 
 
+def node_lost_key(generation: int, node: int) -> str:
+    """Set by node 0's launcher when node ``node``'s launcher went silent while ``generation`` ran (a node gone or
+    cut off): node 0's ranks save without its ranks, and its launcher, should it reach the store again, ends its
+    ranks rather than rejoin."""
+    return f"node_lost/{generation}/{node}"
+
+
 def left_key(node: int) -> str:
     """Set by node ``node``'s launcher once every rank there has left: node 0 hosts the store and keeps it up until
     every node has said so, or a node still finishing would find the store gone."""
@@ -170,6 +177,25 @@ def store() -> Any:
         host, _, port = os.environ[ENV_STORE].rpartition(":")
         _store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     return _store
+
+
+def nodes() -> int:
+    """The job's nodes under ``resilience launch`` (1 outside it)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1) if active() else 1
+
+
+def lost_node_ranks() -> set[int]:
+    """The ranks of the nodes node 0's launcher declared lost in this generation (gone, or cut off); empty with one
+    node or outside ``resilience launch``. The launcher places ranks node by node (``LOCAL_WORLD_SIZE`` each)."""
+    count = nodes()
+    if count < 2:
+        return set()
+    per_node, mine, number = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ["GROUP_RANK"]), generation()
+    lost: set[int] = set()
+    for node in range(count):
+        if node != mine and store().check([node_lost_key(number, node)]):
+            lost.update(range(node * per_node, (node + 1) * per_node))
+    return lost
 
 
 def evict(ranks: Iterable[int]) -> None:

@@ -46,6 +46,13 @@ class LaunchConfig:
         recovery_timeout_s: After a rank is lost, how long the others may take to end their generation (their
             survivor save included) before they are killed and replaced too; a node whose launcher does not
             answer within twice that (or whose launcher's heartbeat stops) is lost whole (see ``node_wait_s``).
+        node_lost_s: A node whose launcher's heartbeat stands this long is lost whole (gone, or cut off by the
+            network), judged by node 0 at any time, not only after a failure: node 0's ranks then save what their
+            replicas hold and leave their stuck collectives. Shorter cuts are ridden out (after one, TCP takes up
+            to about twice its length to resume).
+        store_timeout_s: A call to the job's store (on node 0) that has not returned after this long means this
+            node is cut off from node 0: its ranks are ended (their state is the other side's to save) and the
+            launcher exits 75, for its scheduler to see.
         node_wait_s: When a node's launcher is lost (a node lost whole), how long node 0 waits for a replacement: a
             launcher started with that ``--node-rank`` while the job runs. It then starts that node's ranks in the
             next generation, and the others restart in place. 0 (the default): the job ends with 75 at once, for
@@ -65,6 +72,8 @@ class LaunchConfig:
     stop_grace_s: float = 120.0
     recovery_timeout_s: float = 120.0
     node_wait_s: float = 0.0
+    node_lost_s: float = 30.0
+    store_timeout_s: float = 30.0
     master_addr: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
@@ -74,6 +83,11 @@ class LaunchConfig:
             raise ConfigError(f"node_rank={self.node_rank}: use 0 to nnodes - 1 ({self.nnodes - 1})")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise ConfigError("several nodes need --rdzv-endpoint HOST:PORT, node 0's address and a free port")
+        if self.node_lost_s <= 0 or self.store_timeout_s <= 0:
+            raise ConfigError(
+                f"node_lost_s={self.node_lost_s}, store_timeout_s={self.store_timeout_s}: use positive seconds "
+                "(30 rides out short network cuts)"
+            )
         if self.max_restarts < 0 or self.spares < 0 or self.spare_delay_s < 0:
             raise ConfigError(
                 f"max_restarts={self.max_restarts}, spares={self.spares}, spare_delay_s={self.spare_delay_s}: use 0 "
@@ -105,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stop-grace-s", type=float, default=defaults.stop_grace_s, help="how long ranks may take to stop")
     add("--recovery-timeout-s", type=float, default=defaults.recovery_timeout_s, help="how long survivors may take")
     add("--node-wait-s", type=float, default=defaults.node_wait_s, help="wait for a lost node's replacement launcher")
+    add("--node-lost-s", type=float, default=defaults.node_lost_s, help="a silent node's launcher is lost after")
+    add("--store-timeout-s", type=float, default=defaults.store_timeout_s, help="a store call unanswered this long")
     add("--master-addr", default=defaults.master_addr, help="this node's address for the store (one node)")
     add("target", nargs=argparse.REMAINDER, help="the script and its arguments, or -m module and its arguments")
 

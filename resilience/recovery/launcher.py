@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from resilience.recovery.bounded_store import BoundedStore
+from resilience.recovery.cut_off import end_processes, leave_cut_off
 from resilience.recovery.inplace import (
     ENV_BEGAN,
     ENV_GENERATION,
@@ -47,6 +49,7 @@ from resilience.recovery.inplace import (
     generation_key,
     joined_key,
     left_key,
+    node_lost_key,
     ready_key,
     started_key,
     waiting_key,
@@ -186,13 +189,14 @@ class Launcher:
 
         if self.leader and self._store_port == 0:
             self._store_port = free_port(self._store_host)
-        self._store = TCPStore(
+        store = TCPStore(
             self._store_host,
             self._store_port,
             is_master=self.leader,
             wait_for_workers=False,
             timeout=timedelta(seconds=max(60.0, self.config.recovery_timeout_s)),
         )
+        self._store = BoundedStore(store, self.config.store_timeout_s, self._store_lost)
         self._lost = LostNodes(self._store, self.config)
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         try:
@@ -247,10 +251,17 @@ class Launcher:
             self._store.set(left_key(self.config.node_rank), "1")
         if not self.leader:
             return
-        keys = [left_key(node) for node in range(self.config.nnodes)]
+        keys = [left_key(node) for node in range(self.config.nnodes) if node not in self._lost.declared]
         deadline = time.monotonic() + self.config.recovery_timeout_s
         while not self._store.check(keys) and time.monotonic() < deadline:
             time.sleep(POLL_S)
+
+    def _store_lost(self, call: str, seconds: float) -> None:
+        """From the store's watch: a call to node 0's store has not returned (a partition, or node 0 gone without
+        closing its sockets). This node is out of the job; the main thread stays blocked in that call."""
+        why = f"the job's store on node 0 did not answer ({call}) for {seconds:.0f} s: this node is cut off"
+        procs = [worker.proc for worker in self.job.workers.values()] + self.job.spares
+        leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
     def _host_lost(self, exc: RuntimeError) -> None:
         """Node 0's store went away while ranks here still ran (node 0 died, or its launcher was killed): nothing
@@ -258,16 +269,9 @@ class Launcher:
         log.error("the job's store on node 0 is gone (%s): stopping the ranks on this node", exc)
         job = self.job
         job.ended = Generation(job.generation.number + 1, stop_code=max(self.config.stop_codes, default=75))
-        deadline = time.monotonic() + self.config.stop_grace_s
-        for worker in job.workers.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(worker.proc.pid, signal.SIGTERM)
+        codes = end_processes([worker.proc for worker in job.workers.values()], self.config.stop_grace_s)
         for rank, worker in list(job.workers.items()):
-            try:
-                code = worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                code = worker.proc.wait()
+            code = codes[worker.proc.pid]
             del job.workers[rank]
             if code == 0:
                 job.finished.add(rank)
@@ -299,6 +303,7 @@ class Launcher:
         """One look: who left, who waits, who is to be ended, and what the job's next generation is."""
         job = self.job
         self._lost.beat()
+        self._silent_nodes()
         if job.spares_due is not None and job.ended is None and time.monotonic() >= job.spares_due:
             job.spares_due = None
             self._fill_spares()
@@ -351,6 +356,19 @@ class Launcher:
                     with contextlib.suppress(ProcessLookupError):
                         worker.proc.kill()
             job.failing_since = time.monotonic()
+
+    def _silent_nodes(self) -> None:
+        """Node 0: a node whose launcher went silent while the job runs is lost (the generation fails, and node 0's
+        ranks save without it). Another node: out of the job if node 0 says so (it was cut off for longer than
+        ``node_lost_s`` and has come back), as if it had never reached the store again."""
+        number = self.job.generation.number
+        if self.leader:
+            if self._lost.silent(number) and self.job.ended is None:
+                self._store.set(failed_key(number), "1")
+        elif self._lost.beat_due and self._store.check([node_lost_key(number, self.config.node_rank)]):
+            procs = [worker.proc for worker in self.job.workers.values()] + self.job.spares
+            why = f"node 0 declared this node lost in generation {number} (its heartbeat stood while cut off)"
+            leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
     def _evict(self) -> None:
         """Ranks here the others found hung (a stopped process): ended, so that the collectives waiting on them fail."""

@@ -3,12 +3,13 @@
 At every step boundary this keeps a snapshot of the state as of that step (this rank's own part by value, the
 shared part as live tensors that stay valid until the next optimizer step) and publishes this rank's own
 part for the others (:mod:`resilience.recovery.liveness`). When a collective fails, or the hang watchdog fires while a
-collective never returns, it asks the liveness records who is gone; if someone is, it posts the rescue notice,
+collective never returns, it asks the liveness records (and under ``resilience launch`` node 0's launcher, which
+declares silent nodes lost) who is gone; if someone is, it posts the rescue notice,
 and the survivors commit the last boundary's step among themselves (:mod:`resilience.recovery.survivors`) and the
 process exits with a code the launcher restarts on. A rank that sees another's notice joins the save from a side
 thread, and an optimizer-step gate keeps the live tensors as of that step while they are copied. A failure with
-every peer alive is not ours to handle: it propagates as it is. :class:`SessionPeerLoss` is what the training
-session holds: the watch, the rescues from side threads, and the loss's record in the goodput ledger.
+every peer alive is not ours to handle: it propagates as it is. The training session holds it through
+:class:`~resilience.recovery.session_peers.SessionPeerLoss`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LIVE_DIR = ".live"
-_SAID_OFF = threading.Event()  # this process said that survivor saves are off
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,7 @@ class PeerLossWatch:
         )
         self.snapshot: BoundarySnapshot | None = None
         self.outcome: SurvivorOutcome | None = None
+        self.rescue_started = False  # someone was found lost, and a survivor save began
         self._stepped = False
         self._rescuing = threading.Lock()
         # The optimizer-step gate: once a survivor save is decided, no update may begin past the boundary it saves
@@ -257,19 +258,12 @@ class PeerLossWatch:
             self._rescuing.release()
             return self.outcome
         notice = notice or self.liveness.notice()
-        if notice is not None:
-            lost = set(notice.lost)  # every survivor follows the first notice: the same step, the same survivors
-        else:
-            # A collective fails as soon as the lost peer's sockets close, which in the kernel comes before its
-            # process is seen as gone; its heartbeat then still looks fresh. Give it until the heartbeat is stale.
-            deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s
-            lost = self.liveness.lost(self.config.stale_s)
-            while not lost and self.snapshot is not None and time.monotonic() < deadline:
-                time.sleep(0.05)
-                lost = self.liveness.lost(self.config.stale_s)
-        if not lost or self.snapshot is None:
+        # every survivor follows the first notice: the same step, the same survivors
+        lost = set(notice.lost) if notice is not None else self._find_lost()
+        if not lost or self.snapshot is None or not self._can_save_without(lost):
             self._rescuing.release()
             return None
+        self.rescue_started = True
         self._hold(notice.step if notice is not None else self._boundary_step())
         snapshot = self.snapshot
         if notice is None:
@@ -306,6 +300,35 @@ class PeerLossWatch:
         )
         return self.outcome
 
+    def _find_lost(self) -> set[int]:
+        """Who is gone: ranks whose heartbeat in the shared local tier went stale or whose process is gone, and
+        under ``resilience launch`` the ranks of nodes node 0 declared lost (gone whole, or cut off)."""
+        lost = self.liveness.lost(self.config.stale_s) | inplace.lost_node_ranks()
+        if not self.manager.local_shared:
+            return lost  # other nodes' heartbeats are on their own disks: only node 0's word tells
+        # A collective fails as soon as the lost peer's sockets close, which in the kernel comes before its
+        # process is seen as gone; its heartbeat then still looks fresh. Give it until the heartbeat is stale.
+        deadline = time.monotonic() + self.config.stale_s + self.config.heartbeat_s
+        while not lost and self.snapshot is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            lost = self.liveness.lost(self.config.stale_s)
+        return lost
+
+    def _can_save_without(self, lost: set[int]) -> bool:
+        """Whether the survivors can meet to save: through the shared local tier, or with node-local disks when
+        they all run on this node (their notices and board are on its disk)."""
+        if self.manager.local_shared:
+            return True
+        survivors = set(range(self.manager.world_size)) - lost
+        if survivors <= set(self.manager.topology.ranks_on_my_node()):
+            return True
+        log.warning(
+            "rank %d: rank(s) %s are gone, but the survivors span nodes with disks of their own: no survivor save",
+            self.manager.rank,
+            sorted(lost),
+        )
+        return False
+
     def exit(self) -> None:
         """Leave now, with the code the launcher restarts on: collectives with the lost rank can hang teardown.
 
@@ -327,134 +350,3 @@ class PeerLossWatch:
         if self._sigterm_before is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._sigterm_before)
         self.liveness.close()
-
-
-class SessionPeerLoss:
-    """The training session's part in a lost peer: the watch (from :meth:`start`, when configured and possible),
-    the rescues from side threads (a hang, another survivor's notice) and from the training thread (a failed
-    collective), and the record of the loss, once.
-
-    Args:
-        manager: The engine the watch works with.
-        boundary: Snapshots the state at each boundary.
-        record: Writes the loss to the goodput ledger, called once with the outcome, the fault's words and the
-            incarnation's end reason (the process exits, or restarts in place, right after).
-        last_step: The session's last boundary (a hang rescue gives up once training moves on).
-        over: Whether the session ended (no rescue starts then).
-        is_main: Whether this process says why survivor saves are off.
-    """
-
-    def __init__(
-        self,
-        manager: CheckpointManager,
-        boundary: BoundaryBuilder,
-        *,
-        record: Callable[[SurvivorOutcome, str, str], None],
-        last_step: Callable[[], int | None],
-        over: Callable[[], bool],
-        is_main: bool,
-    ) -> None:
-        self._manager = manager
-        self._boundary = boundary
-        self._record_loss = record
-        self._last_step = last_step
-        self._over = over
-        self._is_main = is_main
-        self.config: PeerLossConfig | None = None
-        self.watch: PeerLossWatch | None = None
-        self.recorded = False
-        self._recording = threading.Lock()  # the rescue and the training thread may both report it: once
-
-    def use(self, config: PeerLossConfig) -> None:
-        """Survivor saves when a rank dies or hangs (effective from :meth:`start`, with a shared local tier)."""
-        self.config = config
-
-    def start(self) -> None:
-        config, manager = self.config, self._manager
-        if config is None or not config.enabled or manager.world_size <= 1:
-            return
-        if manager.local_shared:
-            self.watch = PeerLossWatch(manager, config, self._boundary, on_notice=self._notice)
-        elif self._is_main and not _SAID_OFF.is_set():  # once a process: a restart in place has the same tiers
-            _SAID_OFF.set()
-            log.warning("survivor saves need a local tier every rank sees (local_shared): they are off for this run")
-
-    def at_boundary(self, step: int) -> None:
-        if self.watch is not None:
-            self.watch.at_boundary(step)
-
-    def hang_seen(self) -> None:
-        """From the watchdog's thread: a hang may be a lost peer, which only a survivor save helps."""
-        if self.watch is not None:
-            threading.Thread(target=self._rescue_hang, name="resilience-hang-rescue", daemon=True).start()
-
-    def _rescue_hang(self) -> None:
-        """The training thread is stuck (in a collective with a stopped or vanished rank): save from here.
-
-        A stopped rank's heartbeat goes stale only ``stale_s`` after its last beat, which may be later than the
-        hang report: look again until then, and give up as soon as training moves on (a slow step, not a hang).
-        """
-        watch = self.watch
-        assert watch is not None
-        stuck_at = self._last_step()
-        deadline = time.monotonic() + 2 * watch.config.stale_s
-        while time.monotonic() < deadline and self._last_step() == stuck_at and not self._over():
-            if self._rescued(watch.after_failure(None)):
-                return
-            time.sleep(watch.config.heartbeat_s)
-
-    def _notice(self, notice: Notice) -> None:
-        """From the heartbeat thread: another survivor saves without the lost rank(s), and this rank must join,
-        whatever its training thread is doing (under HSDP it may be blocked in a collective with that survivor,
-        which would fail only once the survivor gives up)."""
-        watch = self.watch
-        if watch is None or self._over():
-            return
-        threading.Thread(
-            target=lambda: self._rescued(watch.after_failure(None, notice)),
-            name="resilience-notice-rescue",
-            daemon=True,
-        ).start()
-
-    def _rescued(self, outcome: SurvivorOutcome | None) -> bool:
-        """After a rescue from a side thread: record the survivor save and leave (the process exits; in place, the
-        lost ranks are evicted and the training thread unwinds to the restart). False: nobody was lost."""
-        if outcome is None:
-            return False
-        watch = self.watch
-        assert watch is not None
-        self._record()
-        if inplace.active():
-            # the training thread stays stuck in its collective until the lost ranks' processes are gone: the
-            # launcher ends them, the collective fails, and the training thread unwinds to the restart; one held at
-            # the optimizer step's gate is let go with an error
-            inplace.evict(outcome.lost)
-            watch.release()
-            return True
-        watch.exit()
-        return True
-
-    def on_failure(self, error: BaseException) -> None:
-        """``error`` left the training loop: if peers are lost, the survivors save and the process exits with the
-        restart code; otherwise (and for an exit or Ctrl-C) nothing happens."""
-        if self.watch is None or isinstance(error, (SystemExit, KeyboardInterrupt)):
-            return
-        if self.watch.after_failure(error) is not None:
-            self._record()
-            self.watch.exit()
-
-    def _record(self) -> None:
-        assert self.watch is not None and self.watch.outcome is not None
-        outcome = self.watch.outcome
-        what = f"rank(s) {outcome.lost} lost"
-        state = "committed" if outcome.committed else f"not committed: {outcome.reason}"
-        with self._recording:  # the second thread waits here until the first wrote it, then exits with it
-            if self.recorded:
-                return
-            self.recorded = True
-            then = "restarting in place" if inplace.active() else f"stopped, exit code {self.watch.config.exit_code}"
-            self._record_loss(outcome, what, f"{then}: {what}; survivor save {state}")
-
-    def close(self) -> None:
-        if self.watch is not None:
-            self.watch.close()

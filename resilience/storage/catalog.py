@@ -161,12 +161,9 @@ def verify(
     """
     if entry.manifest is None:
         raise CorruptCheckpointError(f"{entry.where()} is {entry.problem}", step=entry.step, tier=entry.tier.name)
-    sizes = entry.tier.file_sizes(entry.path)
-    for item in entry.manifest.files:
-        if item.path not in sizes:
-            raise _corrupt(entry, item, "is missing")
-        if sizes[item.path] != item.size:
-            raise _corrupt(entry, item, f"is {sizes[item.path]} bytes, the manifest says {item.size}")
+    found = damage(entry)
+    if found is not None:
+        raise _corrupt(entry, *found)
     to_hash = [item for item in entry.manifest.files if full or item.kind != "shard"]
     mine = to_hash[share[0] :: share[1]]
     done = 0
@@ -178,6 +175,21 @@ def verify(
         done += item.size
         if progress is not None:
             progress(done, sum(i.size for i in mine))
+
+
+def damage(entry: Entry) -> tuple[FileEntry, str] | None:
+    """The first file of a committed entry's manifest that its tier lacks or holds at another size, and what is
+    wrong with it; None when every file is there at its size. One listing: cheap enough for ``resilience ls``
+    and for checking a durable copy before it is trusted or healed (a lifecycle rule or a person may have
+    deleted files under a manifest, or an upload cut short may have left one short)."""
+    assert entry.manifest is not None
+    sizes = entry.tier.file_sizes(entry.path)
+    for item in entry.manifest.files:
+        if item.path not in sizes:
+            return item, "is missing"
+        if sizes[item.path] != item.size:
+            return item, f"is {sizes[item.path]} bytes, the manifest says {item.size}"
+    return None
 
 
 def check_file(entry: Entry, item: FileEntry, copy_to: IO[bytes] | None = None) -> None:
@@ -207,7 +219,11 @@ def candidates(tiers: Iterable[Tier | None], *, invalid: bool = False) -> list[E
     With ``invalid``, entries whose manifest is there but invalid come too (with their ``problem``): resume
     must report and set them aside like corrupt files, or their step could never be saved again.
     """
-    found = [entry for tier in tiers if tier is not None for entry in scan(tier)]
+    return ranked([entry for tier in tiers if tier is not None for entry in scan(tier)], invalid=invalid)
+
+
+def ranked(found: Iterable[Entry], *, invalid: bool = False) -> list[Entry]:
+    """:func:`candidates` among entries already scanned."""
     usable = [
         e
         for e in found

@@ -89,14 +89,12 @@ class DurableGuard:
         if before is not None and before.token == token:
             return  # this job's own upload, tried again
         if files:
-            log.warning(
-                "clearing %d file(s) of an unfinished upload of step %s in %s (writer: %s), whose writer no longer "
-                "holds the durable URL",
-                len(files),
-                step,
-                self.durable.display(path),
-                before.describe() if before is not None else "unknown",
+            left = (
+                f"an unfinished upload by {before.describe()}, which no longer holds the durable URL"
+                if before is not None
+                else "no manifest holds them (it was deleted, or their upload cut short, or a damaged copy set aside)"
             )
+            log.warning("clearing %d file(s) of step %s in %s: %s", len(files), step, self.durable.display(path), left)
             self.durable.remove_dir(path)
         self.durable.write_replace(f"{path}/{WRITER_FILE}", json.dumps(writer).encode())
 

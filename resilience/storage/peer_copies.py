@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from resilience.storage.processes import process_start_ticks
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 START_TIMEOUT_S = 10.0
-SOCKET_TIMEOUT_S = 60.0
+SOCKET_TIMEOUT_S = 15.0  # each send or receive; a partner cut off costs this much of the peer-copy thread only
 # A file read back from a peer stays in memory up to this size (a rank reads one file at a time), then goes to a
 # temporary file: a peer's network is faster than this node's disk, which a smaller bound would make the limit.
 SPOOL_BYTES = 1 << 30
@@ -135,6 +136,38 @@ def send_copy(address: Address, *, rank: int, run_id: str, step: int, directory:
         with sock.makefile("rb") as stream:
             _reply(stream)
     return sum(f.size for f in files)
+
+
+class CopySender:
+    """Peer copies on a thread of their own, so that a partner node that does not answer (cut off, or gone) costs
+    a warning, never the time of the next durable upload. Only the newest copy waits to be sent: an older one not
+    yet sent is dropped, as the newer would replace it on the partner anyway.
+
+    Args:
+        send: Sends one copy (its arguments as :meth:`submit` got them); raises ``OSError`` when it fails.
+    """
+
+    def __init__(self, send: Callable[..., None]):
+        self._send = send
+        self._next: tuple[Any, ...] | None = None
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, *args: Any) -> None:
+        with self._ready:
+            self._next = args
+            self._ready.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="resilience-peer-copy", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._next is not None)
+                args, self._next = self._next, None
+            assert args is not None
+            self._send(*args)
 
 
 def held(address: Address, run_id: str) -> list[dict[str, Any]]:
