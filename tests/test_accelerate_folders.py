@@ -6,7 +6,9 @@ takes the folder's step from the engine, and ``save_iteration`` counts as Accele
 from __future__ import annotations
 
 import copy
+import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from accelerate.utils import ProjectConfiguration
 
 from accelerate_resilience import attach
 from resilience.errors import ConfigError
+from tests.helpers import WORKERS, accelerate_launch, base_env
 from tests.test_accelerate_handle import (
     assert_same_training,
     fresh_accelerate,  # noqa: F401  (autouse: each test's own Accelerate)
@@ -104,3 +107,26 @@ def test_a_run_that_would_name_an_existing_folder_is_refused_before_it_saves(tmp
     assert (
         torch.load(tmp_path / "checkpoints" / "checkpoint_0" / "random_states_0.pkl", weights_only=False)["step"] == 0
     )
+
+
+def test_two_ranks_name_one_folder_with_both_ranks_rng_and_load_it_back_together(tmp_path: Path) -> None:
+    env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")
+    command = accelerate_launch(WORKERS / "accelerate_folders.py", str(tmp_path))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    reports = {
+        int(line.split()[1].removeprefix("rank=")): json.loads(line.split(" ", 2)[2])
+        for line in done.stdout.splitlines()
+        if line.startswith("FOLDERS")
+    }
+    first, second = (str(tmp_path / "checkpoints" / f"checkpoint_{i}") for i in (0, 1))
+    for report in reports.values():
+        assert (report["saved"], report["step"], report["iteration"]) == ([first, second], 2, 2)
+    assert {"random_states_0.pkl", "random_states_1.pkl", "model.safetensors", "optimizer.bin"} <= set(
+        os.listdir(second)
+    )
+    for rank in (0, 1):  # every rank's own stream, though rank 0 wrote the folder
+        states = torch.load(Path(second) / f"random_states_{rank}.pkl", weights_only=False)
+        assert int(states["torch_manual_seed"].sum()) == reports[rank]["rng"]
+    assert reports[0]["rng"] != reports[1]["rng"]
