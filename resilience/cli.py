@@ -21,7 +21,6 @@ from resilience import __version__
 from resilience.errors import CorruptCheckpointError, NoCheckpointError, ResilienceError
 from resilience.progress import size_text
 from resilience.storage import catalog
-from resilience.storage.layout import MANIFEST
 from resilience.storage.tiers import DurableTier, Tier
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NOT_FOUND, EXIT_ERROR = 0, 1, 2, 3, 4
@@ -170,7 +169,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_upload(args: argparse.Namespace) -> int:
     """Upload committed local checkpoints the durable tier lacks (e.g. when a crash cut an upload short)."""
-    from resilience.persist.transfer import RetryPolicy, commit_durable, upload_files
+    from resilience.persist.transfer import RetryPolicy, push_step
 
     local, only = catalog.open_root(args.root)
     if args.step is None:
@@ -192,19 +191,10 @@ def cmd_upload(args: argparse.Namespace) -> int:
         return EXIT_OK if args.step in there else EXIT_FAILED
     for entry in sorted(todo, key=lambda e: e.step):
         assert entry.manifest is not None
-        catalog.verify(entry, full=True)  # never spread a corrupt checkpoint to the durable tier
         total = entry.manifest.total_bytes
         on_bytes = _Counter(total, _progress_printer(f"upload {entry.where()}") if args.progress else None)
-        upload_files(
-            local,
-            durable,
-            entry.step,
-            entry.manifest.files,
-            concurrency=args.concurrency,
-            policy=RetryPolicy(args.retries),
-            on_bytes=on_bytes,
-        )
-        commit_durable(durable, entry.step, local.read_bytes(f"{entry.path}/{MANIFEST}"), RetryPolicy(args.retries))
+        policy = RetryPolicy(args.retries)
+        push_step(local, durable, entry, concurrency=args.concurrency, policy=policy, on_bytes=on_bytes)
         print(
             f"OK   step {entry.step} committed in {durable.display(durable.step_path(entry.step))}: {size_text(total)}"
         )

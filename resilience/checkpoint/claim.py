@@ -15,6 +15,7 @@ import uuid
 
 from resilience.dist import Channel
 from resilience.errors import CheckpointExistsError, ConfigError
+from resilience.persist.heal import Healer, HealSettings
 from resilience.storage import catalog
 from resilience.storage.layout import MANIFEST, SUPERSEDED_DIR, SUPERSEDED_MANIFEST, WRITER_FILE, aside_name
 from resilience.storage.lease import Lease, Tenancy
@@ -31,7 +32,13 @@ class RootClaim:
     """
 
     def __init__(
-        self, local: LocalTier, durable: DurableTier | None, control: Channel, rank: int, is_local_leader: bool
+        self,
+        local: LocalTier,
+        durable: DurableTier | None,
+        control: Channel,
+        rank: int,
+        is_local_leader: bool,
+        heal: HealSettings | None = None,
     ):
         self.local = local
         self.durable = durable
@@ -45,6 +52,8 @@ class RootClaim:
         self._tenancy: Tenancy | None = None  # the owner record and durable lease held, and their heartbeat
         self._lease: Lease | None = None  # rank 0's, once claimed
         self._branch_from: int | None = None
+        self._heal = heal or HealSettings()  # the durable tier healed at a resume (rank 0, in the background)
+        self._healer: Healer | None = None
         self._lock = threading.Lock()  # the writer threads add the steps they commit
         self._known_steps: set[int] = self._startup_checks()
 
@@ -116,7 +125,18 @@ class RootClaim:
                 self._disown()  # refused: this job holds nothing, and its next save is refused the same way
             raise
         self._branch_from = resumed_from
+        if first and resumed_from is not None:
+            self._start_healing(resumed_from)
         return superseded
+
+    def _start_healing(self, resumed_from: int) -> None:
+        """Rank 0, the durable lease's holder, once the roots are claimed for a resume: upload again, in the
+        background, this run's local steps the durable tier lacks (:mod:`resilience.persist.heal`)."""
+        if self.rank == 0 and self.durable is not None and self.owner is not None and self.run_id is not None:
+            writer = self.owner.to_json()
+            self._healer = Healer(
+                self.local, self.durable, self._heal, run_id=self.run_id, upto=resumed_from, writer=writer
+            )
 
     def _take_root_and_url(self, run_id: str | None) -> None:
         """Choose the run id, own the local root (leftovers of dead writers cleared) and hold the durable URL;
@@ -148,6 +168,7 @@ class RootClaim:
 
     def let_go(self) -> None:
         """Stop the heartbeat, release the durable lease, remove the owner record (a job that writes no more)."""
+        self._stop_healing()
         if self._tenancy is not None:
             self._tenancy.end()
         if self.owner is not None:
@@ -158,6 +179,7 @@ class RootClaim:
     def abandon(self) -> None:
         """Let go without a collective, keeping the durable lease: a restart in place takes it over as the same
         run."""
+        self._stop_healing()
         if self._tenancy is not None:
             self._tenancy.pause(release=False)
         if self.owner is not None:
@@ -168,8 +190,15 @@ class RootClaim:
 
     def pause(self) -> None:
         """The engine rests: no thread of the pack runs (the heartbeat stops, the lease is released)."""
+        self._stop_healing()
         if self._tenancy is not None:
             self._tenancy.pause(release=True)
+
+    def _stop_healing(self) -> None:
+        """A job that lets its lease go heals no more: the healing ends before its next step (one in flight
+        finishes, fenced by the lease like any upload); the next start heals what is left."""
+        if self._healer is not None:
+            self._healer.stop()
 
     def resume(self) -> None:
         """Take the roots back after a rest; collective: every rank stops if a live job took them meanwhile."""

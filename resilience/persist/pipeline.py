@@ -28,19 +28,17 @@ from resilience.dist import Channel, Topology
 from resilience.errors import CheckpointError, describe
 from resilience.persist import Failures, PersistPipeline
 from resilience.persist.dcp_write import PiecePlanner, RecordingWriter, space_hint, versions
-from resilience.persist.transfer import OnRetry, RetryPolicy, commit_durable, retrying, upload_files
+from resilience.persist.transfer import Guarded, OnRetry, RetryPolicy, commit_durable, guarded, upload_files
 from resilience.persist.worker import Worker
 from resilience.storage import client_retries, proofs
 from resilience.storage.catalog import scan
-from resilience.storage.fencing import DurableGuard, foreign_steps
+from resilience.storage.fencing import DurableGuard, being_healed, foreign_steps
 from resilience.storage.layout import (
     DCP_METADATA,
-    LEASE_DIR,
     MANIFEST,
     STATE_FILE,
     WRITER_FILE,
     rank_state_file,
-    step_dirname,
 )
 from resilience.storage.manifest import FileEntry, Manifest
 from resilience.storage.peer_copies import CopySender, send_copy
@@ -399,17 +397,12 @@ class Pipeline(PersistPipeline):
             return
         self.events.emit("peer_copy", step, bytes=sent, seconds=time.monotonic() - t0)
 
-    def _guarded(self, step: int, what: str, then: Callable[[DurableGuard, dict[str, Any]], None]) -> None:
+    def _guarded(self, step: int, what: str, then: Guarded) -> None:
         """Rank 0, before it changes the durable tier: this job must still hold the durable URL; then ``then``
         (both retried like transfers). Without a writer (no owner: a pipeline driven by hand), nothing is checked.
         """
-        guard, writer = self._guard, self._writer
-        if guard is None or writer is None:
-            return
-        token = str(writer.get("token"))
-        on_retry = self._on_retry(step)
-        retrying(LEASE_DIR, lambda: guard.check_held(token, f"{what} of step {step}"), self._policy, on_retry)
-        retrying(step_dirname(step), lambda: then(guard, writer), self._policy, on_retry)
+        if self._guard is not None and self._writer is not None:
+            guarded((self._guard, self._writer), step, what, then, self._policy, self._on_retry(step))
 
     def _upload_files(self, step: int, entries: list[FileEntry]) -> None:
         assert self.durable is not None
@@ -447,8 +440,9 @@ class Pipeline(PersistPipeline):
         if run_id is None:
             return  # nothing saved through this pipeline yet: no run to keep to
         try:
-            protect = protect | set(self._protected_steps())
             entries = scan(tier)
+            healing = being_healed(tier, entries, writer.get("token")) if tier is self.durable and writer else set()
+            protect = protect | set(self._protected_steps()) | healing
             doomed = steps_to_delete(
                 [e.step for e in entries if e.committed],
                 [e.step for e in entries if not e.committed],

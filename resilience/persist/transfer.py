@@ -1,7 +1,8 @@
 """Moving a committed checkpoint's files to the durable tier: concurrent, retried, committed last.
 
-Shared by the background uploader (each rank its own files) and ``resilience upload`` (a whole checkpoint
-from the command line, e.g. one whose upload a crash cut short).
+Shared by the background uploader (each rank its own files), and for a whole checkpoint by ``resilience upload``
+(e.g. one whose upload a crash cut short) and by the healing of the durable tier at start
+(:mod:`resilience.persist.heal`).
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fsspec.callbacks import Callback
 
 from resilience.errors import CheckpointError, describe
-from resilience.storage.layout import MANIFEST
+from resilience.storage import catalog
+from resilience.storage.fencing import DurableGuard
+from resilience.storage.layout import LEASE_DIR, MANIFEST, step_dirname
 from resilience.storage.manifest import FileEntry
+from resilience.storage.proofs import Proofs
 from resilience.storage.tiers import Tier
 
 log = logging.getLogger(__name__)
 
 OnRetry = Callable[[str, int, BaseException], None]
+Writer = dict[str, Any]  # the uploader's owner record, as its .writer.json holds it
+Guarded = Callable[[DurableGuard, Writer], None]
 T = TypeVar("T")
 
 
@@ -129,3 +135,63 @@ def commit_durable(
                 raise
 
     retrying(MANIFEST, write, policy, on_retry)
+
+
+def guarded(
+    fence: tuple[DurableGuard, Writer],
+    step: int,
+    what: str,
+    then: Guarded,
+    policy: RetryPolicy,
+    on_retry: OnRetry | None = None,
+) -> None:
+    """Before a change to the durable tier: the job whose writer record ``fence`` holds must still hold the
+    durable URL (else :class:`CheckpointError`); then ``then``. Both retried like transfers."""
+    guard, writer = fence
+    token = str(writer.get("token"))
+    retrying(LEASE_DIR, lambda: guard.check_held(token, f"{what} of step {step}"), policy, on_retry)
+    retrying(step_dirname(step), lambda: then(guard, writer), policy, on_retry)
+
+
+def push_step(
+    local: Tier,
+    durable: Tier,
+    entry: catalog.Entry,
+    *,
+    concurrency: int,
+    policy: RetryPolicy,
+    fence: tuple[DurableGuard, Writer] | None = None,
+    trust_proofs: bool = False,
+    on_retry: OnRetry | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Upload one committed local step whole, then commit it in ``durable`` with its manifest, written last.
+
+    Every file is checked against its manifest first, so a corrupt checkpoint is never spread to the durable
+    tier; with ``trust_proofs``, shards this node proved unchanged since it hashed them are not hashed again
+    (:mod:`resilience.storage.proofs`). With ``fence`` (a :class:`DurableGuard` and the writer record of a job
+    that holds the durable lease), the job must still hold the URL before the upload and before the commit,
+    and the step's durable folder is made its own first: a committed step is refused, never written into.
+    """
+    manifest = entry.manifest
+    if manifest is None:
+        raise CheckpointError(f"{entry.where()} is not committed: only committed steps are uploaded", step=entry.step)
+    catalog.verify(entry, full=True, proven=Proofs(entry.path) if trust_proofs else None)
+    step = entry.step
+    if fence is not None:
+        guarded(fence, step, "the upload", lambda guard, writer: guard.open_step(step, writer), policy, on_retry)
+    upload_files(
+        local,
+        durable,
+        step,
+        manifest.files,
+        concurrency=concurrency,
+        policy=policy,
+        on_retry=on_retry,
+        on_bytes=on_bytes,
+    )
+    if fence is not None:
+        guarded(fence, step, "the commit", lambda guard, _: guard.check_uploaded(step, manifest), policy, on_retry)
+    commit_durable(durable, step, local.read_bytes(f"{entry.path}/{MANIFEST}"), policy, on_retry)
+    if fence is not None:
+        fence[0].close_step(step)

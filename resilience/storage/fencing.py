@@ -55,6 +55,25 @@ def foreign_steps(tier: Tier, entries: Iterable[Entry], run_id: str) -> set[int]
     return foreign
 
 
+HEALING = "healing"  # in a durable .writer.json: the step is uploaded again from a local copy (heal.py)
+
+
+def being_healed(tier: Tier, entries: Iterable[Entry], token: object) -> set[int]:
+    """Uncommitted steps of ``entries`` that the job with ``token`` is uploading again to heal the durable tier
+    (:mod:`resilience.persist.heal`): retention leaves them, as it leaves the pipeline's own uploads in flight."""
+    found = set()
+    for entry in entries:
+        if entry.problem != NOT_COMMITTED:
+            continue
+        try:
+            body = json.loads(tier.read_bytes(f"{entry.path}/{WRITER_FILE}"))
+        except (FileNotFoundError, ValueError):
+            continue
+        if isinstance(body, dict) and body.get(HEALING) is True and body.get("token") == token:
+            found.add(entry.step)
+    return found
+
+
 class DurableGuard:
     """The uploader's checks before it changes the durable tier; ``token`` names the job (its owner's)."""
 
