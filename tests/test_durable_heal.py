@@ -4,6 +4,7 @@ background, under the lease; against a real S3-protocol server (moto) on 127.0.0
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,25 +76,36 @@ def test_a_resumed_run_uploads_again_the_local_steps_the_durable_tier_lost_or_ho
     assert torch.equal(again.state["model"]["w"], make_state(3)["model"]["w"])
 
 
-def test_healing_runs_in_the_background_and_retention_leaves_its_upload_alone(
+def test_healing_runs_in_the_background_retention_leaves_it_and_close_finishes_its_step(
     tmp_path: Path, s3: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fs = s3["fs"]
     saved(tmp_path / "a", s3, [1, 2])
     fs.rm(f"{RUN}/step-1", recursive=True)  # type: ignore[attr-defined]
     gate = hold_uploads(monkeypatch, "/step-1/")
-    with manager(tmp_path / "a", s3, keep_last=3, persist="thread") as m:
-        try:
-            m.load()
-            m.claim(resumed_from=2)  # returns while the healing's upload is held: it never delays training
-            eventually(lambda: exists(s3, f"{RUN}/step-1/.writer.json"), "the healing began")
-            assert not exists(s3, f"{RUN}/step-1/manifest.json")
-            m.save(3, make_state(3))  # its durable commit applies retention: older uncommitted folders of the run go
-            assert m.wait(durable=True)
-            assert exists(s3, f"{RUN}/step-1/.writer.json"), "retention deleted the healing's upload"
-        finally:
+    m = manager(tmp_path / "a", s3, keep_last=3, persist="thread")
+    try:
+        m.load()
+        m.claim(resumed_from=2)  # returns while the healing's upload is held: it never delays training
+        eventually(lambda: exists(s3, f"{RUN}/step-1/.writer.json"), "the healing began")
+        assert not exists(s3, f"{RUN}/step-1/manifest.json")
+        m.save(3, make_state(3))  # its durable commit applies retention: older uncommitted folders of the run go
+        assert m.wait(durable=True)
+        assert exists(s3, f"{RUN}/step-1/.writer.json"), "retention deleted the healing's upload"
+        healer = m._roots._healer
+        assert healer is not None
+
+        def release() -> None:  # once close() told the healing to stop, and a while after: close() waits for it
+            healer._stopped.wait(120)
+            time.sleep(0.5)
             gate.set()
-        eventually(lambda: committed_and_whole(s3, 1), "step 1 healed")
+
+        threading.Thread(target=release, daemon=True).start()
+        m.close()
+        assert committed_and_whole(s3, 1), "close() returned before the step in flight was healed"
+    finally:
+        gate.set()
+        m.close()
 
 
 def test_healing_leaves_another_runs_step_and_stops_without_the_lease(

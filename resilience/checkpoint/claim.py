@@ -168,7 +168,7 @@ class RootClaim:
 
     def let_go(self) -> None:
         """Stop the heartbeat, release the durable lease, remove the owner record (a job that writes no more)."""
-        self._stop_healing()
+        self._stop_healing(wait=True)
         if self._tenancy is not None:
             self._tenancy.end()
         if self.owner is not None:
@@ -179,7 +179,7 @@ class RootClaim:
     def abandon(self) -> None:
         """Let go without a collective, keeping the durable lease: a restart in place takes it over as the same
         run."""
-        self._stop_healing()
+        self._stop_healing(wait=False)
         if self._tenancy is not None:
             self._tenancy.pause(release=False)
         if self.owner is not None:
@@ -190,15 +190,18 @@ class RootClaim:
 
     def pause(self) -> None:
         """The engine rests: no thread of the pack runs (the heartbeat stops, the lease is released)."""
-        self._stop_healing()
+        self._stop_healing(wait=True)
         if self._tenancy is not None:
             self._tenancy.pause(release=True)
 
-    def _stop_healing(self) -> None:
-        """A job that lets its lease go heals no more: the healing ends before its next step (one in flight
-        finishes, fenced by the lease like any upload); the next start heals what is left."""
+    def _stop_healing(self, *, wait: bool) -> None:
+        """A job that lets its lease go heals no more: the healing ends before its next step; the next start
+        heals what is left. With ``wait``, the step in flight is finished first, as a closing job's last upload
+        is (and no thread is left behind); without, it finishes on its own, fenced by the lease like any upload."""
         if self._healer is not None:
             self._healer.stop()
+            if wait:
+                self._healer.join()
 
     def resume(self) -> None:
         """Take the roots back after a rest; collective: every rank stops if a live job took them meanwhile."""
