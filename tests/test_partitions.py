@@ -133,7 +133,8 @@ def test_a_short_cut_is_ridden_out_with_no_restart(tmp_path: Path) -> None:
                 kill_tree(proc)
     output = "".join((tmp_path / f"node-{n}.log").read_text() for n in (0, 1))
     assert codes == [0, 0], output[-6000:]
-    assert "lost" not in output and "generation 1" not in output, output[-6000:]
+    assert "node 1 lost:" not in output and "this node is cut off" not in output, output[-6000:]
+    assert "generation 1" not in output, output[-6000:]
     assert output.count("DONE rank=") == 2, output[-6000:]
 
 

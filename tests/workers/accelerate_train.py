@@ -5,8 +5,9 @@ Usage: accelerate_train.py OUT_DIR. Writes OUT_DIR/final-rank<R>.pt (model, opti
 indices trained on, the resume point) and OUT_DIR/metrics.jsonl (what reached the tracker). Checkpoint settings
 come from ``ACCELERATE_RESILIENCE_*``; the test knobs: TRAIN_STOP_AT (save with ``accelerator.save_state()`` at
 this global step and stop), TRAIN_STATEFUL (1: a StatefulDataLoader, 0: a plain DataLoader resumed by skipping),
-TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_EPOCHS (3 by default), TRAIN_PREEMPT_AT (the first elastic
-attempt's rank 1 gets a SIGTERM at this step, through the health package's fault injection), TRAIN_TIMED (1: the
+TRAIN_STEP_SLEEP (seconds per step, so a test can kill the job mid-run), TRAIN_EPOCHS (3 by default),
+TRAIN_PREEMPT_AT (the first elastic attempt's rank 1 gets a SIGTERM at this step, through the health package's
+fault injection), TRAIN_TIMED (1: the
 loop draws batches through ``resilience.timed``), TRAIN_VICTIM=RANK:STEP (that rank SIGKILLs itself as the step
 after STEP begins, in the first generation only under ``resilience launch``; the other's survivor save follows
 from the failed all-reduce), TRAIN_FSDP2 (1: Accelerate's FSDP2, ``fsdp_version=2``; the final states are then
