@@ -44,7 +44,9 @@ def committed(root: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step-")) for p in root.glob("step-*/manifest.json"))
 
 
-def start_nodes(hosts: netns.TwoHosts, out: Path, epochs: int) -> list[subprocess.Popen[bytes]]:
+def start_nodes(
+    hosts: netns.TwoHosts, out: Path, epochs: int, extra: dict[str, str] | None = None
+) -> list[subprocess.Popen[bytes]]:
     endpoint = f"{hosts.addresses['a']}:{free_port()}"
     procs = []
     for node, host in ((0, "a"), (1, "b")):
@@ -58,6 +60,7 @@ def start_nodes(hosts: netns.TwoHosts, out: Path, epochs: int) -> list[subproces
             TRAIN_STEP_SLEEP="0.5",
             TRAIN_EPOCHS=str(epochs),
             GLOO_SOCKET_IFNAME=hosts.interface(host),  # gloo would take the hostname's address, which both share
+            **(extra or {}),
         )
         command = [sys.executable, "-m", "resilience.cli", "launch", "--nproc-per-node=1", "--nnodes=2"]
         command += [f"--node-rank={node}", f"--rdzv-endpoint={endpoint}", "--recovery-timeout-s=20"]
@@ -92,12 +95,25 @@ def wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[int
     return [p.poll() for p in procs]
 
 
-def test_a_permanent_cut_ends_both_sides_and_node_0_saves_what_its_replica_holds(tmp_path: Path) -> None:
+# every background write (in the checkpoint helper) first leaves writing-<step> in the local root and waits 2 s
+SLOW_WRITES = {
+    "ACCELERATE_RESILIENCE_PERSIST": "process",
+    "RESILIENCE_HELPER_PRELOAD": "tests.workers.helper_faults",
+    "TEST_HELPER_FAULT": "slow_write",
+    "TEST_SLOW_WRITE_S": "2",
+}
+
+
+@pytest.mark.parametrize("when", ["between_saves", "during_a_save"])
+def test_a_permanent_cut_ends_both_sides_and_node_0_saves_what_its_replica_holds(tmp_path: Path, when: str) -> None:
     with netns.two_hosts() as hosts:
-        procs = start_nodes(hosts, tmp_path, epochs=40)
+        procs = start_nodes(hosts, tmp_path, epochs=40, extra=SLOW_WRITES if when == "during_a_save" else None)
         pids: list[int] = []
         try:
             wait_for_durable_step(tmp_path, 8, procs)
+            if when == "during_a_save":  # both nodes' writes of step 12 under way
+                while not all((tmp_path / f"node-{n}" / "writing-12").exists() for n in (0, 1)):
+                    time.sleep(0.02)
             pids = [pid for proc in procs for pid in family(proc)]  # type: ignore[arg-type]
             before = max(committed(tmp_path / "durable"))
             hosts.cut()
@@ -112,7 +128,7 @@ def test_a_permanent_cut_ends_both_sides_and_node_0_saves_what_its_replica_holds
     saved = [int(step) for step in SURVIVOR_SAVE.findall(node_0)]
     assert len(saved) == 1 and saved[0] >= before, node_0[-4000:]
     assert saved[0] in committed(tmp_path / "durable") and saved[0] in committed(tmp_path / "node-0")
-    assert resilience_cli(["verify", (tmp_path / "durable").as_uri(), "--step", str(saved[0])]) == 0
+    assert resilience_cli(["verify", (tmp_path / "durable").as_uri()]) == 0  # every committed step, whole
     assert "this node is cut off: ending the ranks on this node" in node_1, node_1[-4000:]
     # nothing committed on the cut-off side after the cut: no save there could be agreed
     assert max(committed(tmp_path / "node-1")) <= before, committed(tmp_path / "node-1")
