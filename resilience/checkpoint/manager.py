@@ -19,7 +19,6 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
@@ -33,13 +32,14 @@ from resilience.checkpoint.deal import SaveTree, Share
 from resilience.checkpoint.loader import Restored
 from resilience.checkpoint.restore import Restorer, settle_own_save
 from resilience.checkpoint.save_events import Listener, SaveEvents
-from resilience.checkpoint.save_handle import Commit, SaveHandle
+from resilience.checkpoint.save_handle import Commit, SaveHandle, SaveStats
 from resilience.checkpoint.staging import Loan, StagingJob
 from resilience.checkpoint.staging_area import StagingArea
 from resilience.config import CheckpointConfig, WhenBusy
 from resilience.dist import Groups, node_identity
 from resilience.errors import CheckpointError
 from resilience.persist import PersistPipeline
+from resilience.persist.heal import HealSettings
 from resilience.persist.pipeline import WriteJob, remove_checkpoint
 from resilience.storage import catalog
 from resilience.storage.owners import Owner
@@ -48,22 +48,6 @@ from resilience.storage.tiers import DurableTier, LocalTier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class SaveStats:
-    """Counters a user or a metrics callback can read at any time.
-
-    ``stall_s`` is every second the training thread spent in the manager's saves and waits (staging waits
-    before an optimizer step included): what a save cost training, for the goodput ledger.
-    """
-
-    saves: int = 0
-    skipped: int = 0
-    waited_for_previous: int = 0
-    block_s: list[float] = field(default_factory=list)
-    staging_wait_s: float = 0.0
-    stall_s: float = 0.0
 
 
 class CheckpointManager:
@@ -100,7 +84,9 @@ class CheckpointManager:
         self.stats = SaveStats()
         self.device_unreadable: str | None = None  # why this rank's GPU must not be read again (a fatal fault)
         self.exit_timeout_s: float | None = None  # how long the process exit waits for saves (None: until done)
-        self._roots = RootClaim(self.local, self.durable, self.groups.control, self.rank, self.is_local_leader)
+        self._roots = RootClaim(
+            self.local, self.durable, self.groups.control, self.rank, self.is_local_leader, HealSettings.of(config)
+        )
         # names this job's incarnation among others on the same root (liveness records, survivor notes)
         self.job_token: str = self.groups.control.decide(lambda: uuid.uuid4().hex[:12])
         self._peer: Address | None = None  # where this rank's files of each durable step are copied

@@ -55,3 +55,19 @@ class SaveHandle:
         for future in (self.staged, self.committed, self.durable):
             if not future.done():
                 future.set_exception(error)
+
+
+@dataclass
+class SaveStats:
+    """Counters a user or a metrics callback can read at any time.
+
+    ``stall_s`` is every second the training thread spent in the manager's saves and waits (staging waits
+    before an optimizer step included): what a save cost training, for the goodput ledger.
+    """
+
+    saves: int = 0
+    skipped: int = 0
+    waited_for_previous: int = 0
+    block_s: list[float] = field(default_factory=list)
+    staging_wait_s: float = 0.0
+    stall_s: float = 0.0
