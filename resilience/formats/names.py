@@ -42,7 +42,7 @@ from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
 from resilience.persist.worker import Worker
 from resilience.storage import catalog
-from resilience.storage.layout import parse_step_dirname
+from resilience.storage.layout import MANIFEST, parse_step_dirname
 from resilience.storage.tiers import LocalTier, Tier
 
 if TYPE_CHECKING:
@@ -227,6 +227,15 @@ class NameWriter:
         with self._lock:
             if self._names.get(name.path) is not name:
                 return  # a later save of the same path (save_last, a re-saved top-k name) supersedes this one
+        if handle is None and not self.local.exists(self.local.step_path(name.step, MANIFEST)):
+            # a repair whose step went since it was queued: a fresh run set it aside (superseded/), or retention
+            # deleted it. There is nothing to write it from, and nothing of this run is lost: forget the name.
+            log.warning("not writing %s: its step %d is no longer in %s", name.path, name.step, self.local.root)
+            with self._lock:
+                if self._names.get(name.path) is name:
+                    self._names.pop(name.path)
+                    self._store()
+            return
         try:
             if handle is not None:
                 handle.committed.result()  # a failed save names nothing; its error is raised here and there
