@@ -22,10 +22,10 @@ from accelerate.utils import DistributedType
 from torch.utils.hooks import RemovableHandle
 
 from accelerate_resilience import compat, snapshot
-from accelerate_resilience.numbering import CheckpointNumbers
 from accelerate_resilience.plugin import ResiliencePlugin
 from accelerate_resilience.routes import ROUTED, ProjectFolders, Routes
 from resilience.checkpoint.manager import CheckpointManager
+from resilience.checkpoint.numbering import CheckpointNumbers
 from resilience.checkpoint.position import DataTracker, Position
 from resilience.checkpoint.rng import capture_rng
 from resilience.checkpoint.save_handle import SaveHandle

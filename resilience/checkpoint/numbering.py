@@ -1,9 +1,10 @@
-"""The numbers an Accelerate job's checkpoints take: the optimizer steps, moved past the last save when needed.
+"""The numbers a job's checkpoints take: the optimizer steps, moved past the last save when needed.
 
-Every ``save_state()`` must keep the state as it is at the call. The engine never overwrites a committed number
-and resumes the highest, so each save needs a number above every earlier one. Numbering by optimizer steps alone
-gives one number to every save between two steps (or to all of them, when no optimizer was prepared): a later
-call could then only be answered with the earlier save, whose state is not the one at the call.
+For adapters whose user calls the save (Accelerate's ``save_state()``, Fabric's ``fabric.save()``): every such
+save must keep the state as it is at the call. The engine never overwrites a committed number and resumes the
+highest, so each save needs a number above every earlier one. Numbering by optimizer steps alone gives one number
+to every save between two steps (or to all of them, when no optimizer is known): a later call could then only be
+answered with the earlier save, whose state is not the one at the call.
 
 So a number is the optimizer steps plus ``ahead``: how far saves made between two optimizer steps moved the
 numbering on. It grows with every optimizer step and with every save, so the newest checkpoint always has the
