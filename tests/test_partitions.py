@@ -45,11 +45,19 @@ def committed(root: Path) -> list[int]:
 
 
 def start_nodes(
-    hosts: netns.TwoHosts, out: Path, epochs: int, extra: dict[str, str] | None = None
+    hosts: netns.TwoHosts,
+    out: Path,
+    epochs: int,
+    extra: dict[str, str] | None = None,
+    bounds: list[str] | None = None,
+    nodes: tuple[tuple[int, str], ...] = ((0, "a"), (1, "b")),
+    endpoint: str | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    endpoint = f"{hosts.addresses['a']}:{free_port()}"
+    """One launcher per node (``nodes``: node rank and host), logging to ``out/node-<N>.log`` (appended to)."""
+    endpoint = endpoint or f"{hosts.addresses['a']}:{free_port()}"
+    bounds = bounds if bounds is not None else [f"--node-lost-s={BOUND_S}", f"--store-timeout-s={BOUND_S}"]
     procs = []
-    for node, host in ((0, "a"), (1, "b")):
+    for node, host in nodes:
         env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
         env.update(
             HF_HOME=str(out / "hf-home"),
@@ -64,9 +72,8 @@ def start_nodes(
         )
         command = [sys.executable, "-m", "resilience.cli", "launch", "--nproc-per-node=1", "--nnodes=2"]
         command += [f"--node-rank={node}", f"--rdzv-endpoint={endpoint}", "--recovery-timeout-s=20"]
-        command += [f"--node-lost-s={BOUND_S}", f"--store-timeout-s={BOUND_S}", "--stop-grace-s=20"]
-        command += [str(ACCELERATE), str(out)]
-        with (out / f"node-{node}.log").open("w") as sink:
+        command += [*bounds, "--stop-grace-s=20", str(ACCELERATE), str(out)]
+        with (out / f"node-{node}.log").open("a") as sink:
             procs.append(
                 subprocess.Popen(
                     hosts.run_in(host, command),
