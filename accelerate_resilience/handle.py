@@ -37,7 +37,7 @@ from resilience.health import HealthConfig
 from resilience.logs import print_to_stderr, rank_zero
 from resilience.persist.fork_server import stop_early_server
 from resilience.recovery import inplace
-from resilience.recovery.peer_loss import BoundarySnapshot, PeerLossConfig
+from resilience.recovery.peer_loss import BoundarySnapshot
 from resilience.session import SaveState, TrainingSession
 
 T = TypeVar("T")
@@ -119,14 +119,7 @@ class ResilienceHandle:
         )
         self.session.add_sink(self._log)
         self.run_dir = os.fspath(plugin.run_dir or project.project_dir or config.local_root)
-        if plugin.goodput:
-            self.session.use_goodput(plugin.goodput_config(self.run_dir))
-        self.session.use_interval(plugin.interval_config())
-        self.session.use_peer_loss(
-            PeerLossConfig(enabled=bool(plugin.survivor_saves), grace_s=float(plugin.grace_s or 0))
-        )
-        if health is not None or plugin.health:
-            self.session.use_health(health or plugin.health_config(accelerator.device.type == "cuda"))
+        plugin.configure(self.session, run_dir=self.run_dir, cuda=accelerator.device.type == "cuda", health=health)
         self._numbers = CheckpointNumbers()
         self._boundary_step = 0  # the optimizer steps at the last step boundary
         self._hooks: list[RemovableHandle] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from resilience import env_settings as env
 from resilience.config import CheckpointConfig, Persist, persist_until_known
@@ -19,6 +19,9 @@ from resilience.goodput import GoodputConfig, IntervalConfig
 from resilience.health import HealthConfig
 from resilience.persist.fork_server import start_server_early
 from resilience.recovery.peer_loss import PeerLossConfig
+
+if TYPE_CHECKING:
+    from resilience.session import TrainingSession
 
 ENV_PREFIX = "ACCELERATE_RESILIENCE_"
 DEFAULT_KEEP_LAST = 3
@@ -258,6 +261,17 @@ class ResiliencePlugin:
 
     def goodput_config(self, run_dir: str) -> GoodputConfig:
         return env.pick(GoodputConfig, self, _ENGINE_NAMES, run_dir=run_dir)
+
+    def configure(self, session: TrainingSession, *, run_dir: str, cuda: bool, health: HealthConfig | None) -> None:
+        """Give ``session`` the parts these settings ask for: the goodput ledger in ``run_dir``, the save
+        interval, survivor saves, and health monitoring (``health``, else the defaults when ``self.health``);
+        collective, as health's set-up is. Every adapter over an Accelerator sets its session up alike."""
+        if self.goodput:
+            session.use_goodput(self.goodput_config(run_dir))
+        session.use_interval(self.interval_config())
+        session.use_peer_loss(PeerLossConfig(enabled=bool(self.survivor_saves), grace_s=float(self.grace_s or 0)))
+        if health is not None or self.health:
+            session.use_health(health or self.health_config(cuda))
 
     def health_config(self, cuda: bool) -> HealthConfig:
         """The defaults, with NVML watched only when the job runs on CUDA (NVML would report another GPU), or when
