@@ -18,7 +18,7 @@ from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerControl
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint
 
 from resilience.errors import ConfigError
 
@@ -85,6 +85,18 @@ def last_stock_checkpoint(trainer: Trainer) -> str | None:
         return get_last_checkpoint(output_dir(trainer))
     except FileNotFoundError:
         return None
+
+
+def finished(trainer: Trainer, step: int) -> bool:
+    """Whether ``step`` is the run's last (``max_steps``; with epochs instead, the Trainer's loop trains nothing)."""
+    return 0 < trainer.args.max_steps <= step
+
+
+def stock_step(name: str) -> int | None:
+    """The step of a ``checkpoint-N`` folder name."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    number = name.removeprefix(prefix)
+    return int(number) if name.startswith(prefix) and number.isdigit() else None
 
 
 def stop_control(control: TrainerControl) -> None:

@@ -13,6 +13,7 @@ save asynchronous, committed by a manifest, verified at resume. See ``docs/TRANS
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import TrainOutput
 
 from accelerate_resilience import compat as accelerate_compat
 from accelerate_resilience.plugin import ResiliencePlugin
@@ -129,7 +131,10 @@ class TrainerResilience:
         session = self._open()
         try:
             folder = self._restore(session, resume_from_checkpoint)
-            output = self._own["train"](resume_from_checkpoint=folder, **kwargs)
+            if self._resumed is not None and compat.finished(self.trainer, self._resumed.restored.step):
+                output = self._nothing_left(session, self._resumed.restored)
+            else:
+                output = self._own["train"](resume_from_checkpoint=folder, **kwargs)
         except BaseException as exc:
             session.on_failure(exc)  # a lost peer: the survivors save and exit; else it goes on as it is
             session.end(exc)
@@ -140,6 +145,16 @@ class TrainerResilience:
             session.exit()  # the stop's code, once the Trainer's own end of training ran
         session.end()
         return output
+
+    def _nothing_left(self, session: TrainingSession, restored: Restored) -> TrainOutput:
+        """A run resumed at its ``max_steps``: the Trainer would train one step more (its loop checks the step count
+        only after a step); with the weights in place already, this run only takes the checkpoint's state."""
+        trainer = self.trainer
+        trainer.state = TrainerState(**json.loads(restored.state["trainer_state"]))
+        session.restored(restored, position=f"global step {trainer.state.global_step}: max_steps reached")
+        if trainer.args.process_index == 0:
+            log.info("Step %d is max_steps already: nothing left to train", trainer.state.global_step)
+        return TrainOutput(trainer.state.global_step, 0.0, {})
 
     def _open(self) -> TrainingSession:
         """A session and engine for this ``train()`` call; collective."""
@@ -270,12 +285,15 @@ class TrainerResilience:
         return folder
 
     def _pack_step(self, path: str) -> int | None:
-        """The step a ``<local_root>/step-N`` path names; None for any other path."""
-        step = parse_step_dirname(os.path.normpath(path))
-        root = self._session().manager.local.root
-        if step is None or os.path.realpath(os.path.dirname(os.path.normpath(path))) != os.path.realpath(root):
-            return None
-        return step
+        """The step a ``<local_root>/step-N`` path names, or an ``<output_dir>/checkpoint-N`` that the Trainer did not
+        write (where it would have, had the pack not saved step N instead); None for any other path."""
+        path = os.path.normpath(path)
+        folder, name = os.path.split(path)
+        if same_path(folder, self._session().manager.local.root):
+            return parse_step_dirname(name)
+        if same_path(folder, compat.output_dir(self.trainer)) and not os.path.isdir(path):
+            return compat.stock_step(name)
+        return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         """The Trainer's weight load: the pack's were loaded in place already (into a model that ``model_init``
@@ -376,6 +394,10 @@ class TrainerResilience:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this handle is closed; attach_trainer(trainer) again")
+
+
+def same_path(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def attach_trainer(
