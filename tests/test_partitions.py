@@ -29,6 +29,7 @@ import pytest
 from resilience.cli import main as resilience_cli
 from tests import netns
 from tests.helpers import ROOT, WORKERS, base_env, free_port, kill_tree
+from tests.test_inplace import node_env
 from tests.test_preemption_delivery import assert_none_left, family
 
 pytestmark = [
@@ -58,12 +59,9 @@ def start_nodes(
     bounds = bounds if bounds is not None else [f"--node-lost-s={BOUND_S}", f"--store-timeout-s={BOUND_S}"]
     procs = []
     for node, host in nodes:
-        env = {k: v for k, v in base_env().items() if not k.startswith("ACCELERATE_")}
-        env.update(
-            HF_HOME=str(out / "hf-home"),
-            ACCELERATE_RESILIENCE_LOCAL_ROOT=str(out / f"node-{node}"),
-            ACCELERATE_RESILIENCE_DURABLE_URL=(out / "durable").as_uri(),
-            ACCELERATE_RESILIENCE_EVERY_N_STEPS="4",
+        env = node_env(
+            out,
+            out / f"node-{node}",
             ACCELERATE_RESILIENCE_HEALTH="1",
             TRAIN_STEP_SLEEP="0.5",
             TRAIN_EPOCHS=str(epochs),
