@@ -175,9 +175,7 @@ def test_a_writer_that_failed_reports_nothing_and_the_file_is_hashed_from_disk(
     assert entries[0].size == 50 and entries[0].xxh3_64 == hash_bytes(b"c" * 50)
 
 
-def test_a_committed_step_written_past_the_page_cache_verifies_fully_and_its_proof_holds(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_committed_step_written_past_the_page_cache_verifies_fully_and_its_proof_holds(tmp_path: Path) -> None:
     state = {"w": torch.randn(3000, 1000), "b": torch.arange(10.0)}
     config = CheckpointConfig(local_root=tmp_path / "ckpt", persist="thread")
     with CheckpointManager(config) as manager:
@@ -189,9 +187,7 @@ def test_a_committed_step_written_past_the_page_cache_verifies_fully_and_its_pro
     assert shards
     for entry in manifest.files:
         assert hash_bytes((step_dir / entry.path).read_bytes()) == entry.xxh3_64, entry.path
-    # The writer's own fstat is what the proof records, so it must equal a later stat of the file. (A small
-    # shard is finished within the racy window of its proof and would be hashed again: that rule is off here.)
-    monkeypatch.setattr(proofs, "RACY_NS", 0)
+    # The writer's own fstat is what the proof records, so it must equal a later stat of the file.
     found = proofs.Proofs(str(step_dir))
     assert all(found.holds(entry) for entry in shards)
     with CheckpointManager(CheckpointConfig(local_root=tmp_path / "ckpt", verify="full")) as manager:

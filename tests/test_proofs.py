@@ -42,10 +42,41 @@ def test_a_file_untouched_since_it_was_hashed_is_proven_and_any_change_undoes_th
     assert [name for name, e in entries.items() if found.holds(e)] == ["d"]
 
 
+def test_a_file_hashed_right_after_it_was_written_is_proven(tmp_path: Path) -> None:
+    """A commit records its proof within a clock tick of its last write: the recorder waits the tick out, or the
+    proof of the shards just written would never hold and every resume would hash them again."""
+    names = files(tmp_path, ["a", "b"])
+    entries = proofs.hashed(str(tmp_path), 0, names)
+    assert all(proofs.Proofs(str(tmp_path)).holds(e) for e in entries)
+
+
 def test_a_file_changed_within_a_tick_of_its_proof_is_hashed_again(tmp_path: Path) -> None:
     names = files(tmp_path, ["a"])
     (entry,) = proofs.hashed(str(tmp_path), 0, names)
+    proof = tmp_path / proof_file(0)
+    body = json.loads(proof.read_text())
+    body["recorded_ns"] = os.stat(tmp_path / "a").st_ctime_ns + proofs.RACY_NS // 2  # as if recorded at once
+    proof.write_text(json.dumps(body))
     assert not proofs.Proofs(str(tmp_path)).holds(entry)
+
+
+def test_a_file_changed_while_its_proof_waits_out_the_tick_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = files(tmp_path, ["a", "b"])
+    waits: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        (tmp_path / "a").write_bytes(b"A" * 1000)  # the same size, other bytes, written meanwhile
+        real_sleep(seconds)
+
+    monkeypatch.setattr(proofs.time, "sleep", sleep)
+    entries = {e.path: e for e in proofs.hashed(str(tmp_path), 0, names)}
+    assert waits and max(waits) <= (proofs.RACY_NS + 1_000_000) / 1e9
+    found = proofs.Proofs(str(tmp_path))
+    assert not found.holds(entries["a"]) and found.holds(entries["b"])
 
 
 def test_only_the_writing_ranks_proof_vouches_for_a_file(tmp_path: Path) -> None:
@@ -84,13 +115,6 @@ def make_state(step: int) -> dict[str, Any]:
     return {"w": torch.randn(512, 1024, generator=gen), "v": torch.randn(1024, 300, generator=gen), "step": step}
 
 
-@pytest.fixture
-def ticks_past(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A commit of a small state writes and hashes its shards within one clock tick, so its proof would never
-    hold (the racy rule, tested above): these tests take the window as closed."""
-    monkeypatch.setattr(proofs, "RACY_NS", 0)
-
-
 def counting(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
     calls: list[Any] = []
     real = getattr(module, name)
@@ -107,7 +131,6 @@ def shards(root: Path, step: int) -> list[Path]:
     return sorted((root / f"step-{step}").glob("*.distcp"))
 
 
-@pytest.mark.usefixtures("ticks_past")
 def test_a_resume_on_the_committing_node_hashes_no_untouched_shard_and_still_catches_a_written_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -139,7 +162,6 @@ def test_a_resume_on_the_committing_node_hashes_no_untouched_shard_and_still_cat
     assert restored is not None and restored.step == 1
 
 
-@pytest.mark.usefixtures("ticks_past")
 def test_a_durable_resume_reads_this_nodes_proven_shards_locally_without_hashing_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -11,7 +11,8 @@ it was hashed (any of those sets a new change time, which no system call can set
 bit flipped on the medium or in memory underneath the file system, which only reading the bytes finds; hence
 ``verify="full"`` ignores proofs. A file changed within one clock tick of its stat could keep its change time,
 so a file whose change time is that close to the proof's own time is hashed again, as git treats a "racily
-clean" index entry. A proof is read as untrusted JSON: anything malformed or missing only means hashing.
+clean" index entry; the writer waits out that tick before it records the proof, so its own fresh files hold.
+A proof is read as untrusted JSON: anything malformed or missing only means hashing.
 """
 
 from __future__ import annotations
@@ -84,15 +85,39 @@ def record(directory: str, rank: int, entries: Iterable[FileEntry], seen: Mappin
     crash only means the next resume hashes these files."""
     seen = seen or {}
     try:
-        files = {
-            e.path: asdict(seen.get(e.path) or Seen.of(os.path.join(directory, e.path), e.xxh3_64)) for e in entries
-        }
+        stats = {e.path: seen.get(e.path) or Seen.of(os.path.join(directory, e.path), e.xxh3_64) for e in entries}
+        files = {name: asdict(stat) for name, stat in _past_the_tick(directory, stats).items()}
         body = json.dumps({"version": VERSION, "recorded_ns": time.time_ns(), "files": files}).encode()
         path = os.path.join(directory, proof_file(rank))
         with open(path, "wb") as out:
             out.write(body)
     except OSError as exc:
         log.debug("no proof written for rank %d in %s: %s", rank, directory, exc)
+
+
+def _past_the_tick(directory: str, stats: dict[str, Seen]) -> dict[str, Seen]:
+    """The files of ``stats`` still as they were, once a clock tick has passed since the newest change among them.
+
+    A reader trusts no proof recorded within a tick of its file's last change (:data:`RACY_NS`), and a commit
+    records its proof right after its writes: without waiting, the proof of the shards just written would hardly
+    ever hold, and every resume would hash them again. So the recorder waits out the tick (at most ``RACY_NS``,
+    in the writer, off the training thread) and stats each file again: any change from then on sets a change time
+    the proof does not hold. A file that changed meanwhile (something else wrote it) is left out: it is hashed.
+    """
+    newest = max((max(seen.ctime_ns, seen.mtime_ns) for seen in stats.values()), default=0)
+    longest = RACY_NS + 1_000_000  # 1 ms more: the reader's comparison is strict
+    wait_ns = min(newest + longest - time.time_ns(), longest)  # a time ahead of this clock only costs a hash
+    if wait_ns <= 0:
+        return stats
+    time.sleep(wait_ns / 1e9)
+    kept = {}
+    for name, seen in stats.items():
+        try:
+            if Seen.of(os.path.join(directory, name), seen.xxh3_64) == seen:
+                kept[name] = seen
+        except OSError:
+            continue
+    return kept
 
 
 class Proofs:
