@@ -25,7 +25,7 @@ import os
 import sys
 import weakref
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -34,10 +34,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import Strategy
-from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_resilience.lightning_state import boundary_snapshot, full_state, split_checkpoint
+from lightning_resilience.lightning_state import boundary_snapshot, full_state, is_fitting, log_to, split_checkpoint
 from resilience import CheckpointConfig, CheckpointManager, NoCheckpointError
 from resilience import env_settings as env
 from resilience.checkpoint.rng import restore_rng
@@ -62,6 +61,9 @@ from resilience.persist.fork_server import start_server_early, stop_early_server
 from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import SaveState, TrainingSession
 from resilience.storage.tiers import LocalTier
+
+if TYPE_CHECKING:
+    from lightning_resilience.fabric.checkpoints import FabricCheckpoints
 
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 
@@ -255,7 +257,7 @@ class ResilientCheckpointIO(CheckpointIO):
                 is_main=trainer.is_global_zero,
                 boundary=lambda step: boundary_snapshot(trainer, step),
             )
-            session.add_sink(lambda metrics: _log(trainer, metrics))
+            session.add_sink(lambda metrics: log_to(trainer, metrics))
         session.use_peer_loss(PeerLossConfig(enabled=self.survivor_saves))
         self._session, self._session_of = session, trainer
         return session
@@ -319,6 +321,9 @@ class ResilientCheckpointIO(CheckpointIO):
         always made from the committed step. None: called by Lightning's own strategy, on rank 0 only under
         several processes.
         """
+        if (fabric := _fabric_caller(self)) is not None:  # Lightning Fabric's strategy: its adapter saves
+            fabric.save_dict(checkpoint, path, storage_options)
+            return
         trainer = self._calling_trainer()
         if layout is None and is_distributed():
             # Lightning calls a CheckpointIO on rank 0 only under this strategy (ddp_spawn hands the weights back
@@ -332,7 +337,7 @@ class ResilientCheckpointIO(CheckpointIO):
                 )
             self._plain_file(checkpoint, path, storage_options)
             return
-        fitting, weights_only = _fitting(trainer), is_weights_only(checkpoint)
+        fitting, weights_only = is_fitting(trainer), is_weights_only(checkpoint)
         if weights_only and not (fitting or (trainer is not None and layout is not None)):
             # no Trainer known to be this save's (outside a fit only a pack strategy, binding its own at each save,
             # makes it sure): a weights-only dict must not become a step that a resume would take for a full
@@ -398,6 +403,8 @@ class ResilientCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        if (fabric := _fabric_caller(self)) is not None:  # Lightning Fabric's strategy: its adapter loads
+            return fabric.load(path, weights_only)
         self._calling_trainer()
         step, plain = self.resolve(os.fspath(path))
         if plain is not None:  # an ordinary Lightning checkpoint, e.g. to start fine-tuning from
@@ -475,16 +482,9 @@ def _unbound_state(step: int) -> SaveState:
     )
 
 
-def _fitting(trainer: pl.Trainer | None) -> bool:
-    return (
-        trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
-    )
+def _fabric_caller(io: ResilientCheckpointIO) -> FabricCheckpoints | None:
+    """For a call from a strategy of Lightning Fabric: the Fabric adapter's checkpoints of it, which take the call
+    (None: another caller). Imported here, as the Fabric adapter builds on this module."""
+    from lightning_resilience.fabric.checkpoints import called_by
 
-
-def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
-    """Every logger, at the step Lightning's own rows of this moment use (LearningRateMonitor's way)."""
-    if not trainer.is_global_zero or not trainer.loggers:
-        return
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=step)
+    return called_by(io, sys._getframe(2).f_locals.get("self"))

@@ -1,4 +1,5 @@
-"""Lightning's checkpoint dict, split into what all ranks share and what each rank owns, and back.
+"""Lightning's checkpoint dict, split into what all ranks share and what each rank owns, and back; what the
+Trainer's state says to the plugin (inside a fit or not, where its loggers' rows stand).
 
 Lightning builds the checkpoint dict on every rank but writes only rank 0's, so the data loader position of the
 other ranks is lost. Here the loader states (``loops.fit_loop.state_dict.combined_loader``) and the RNG state
@@ -16,6 +17,7 @@ import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from resilience.checkpoint import continuity
 from resilience.checkpoint.rng import capture_rng
@@ -54,3 +56,19 @@ def boundary_snapshot(trainer: pl.Trainer, step: int) -> BoundarySnapshot:
         return dataclasses.replace(split_checkpoint(checkpoint, trainer), rank_state=rank_state)
 
     return BoundarySnapshot(step, rank_state, shared)
+
+
+def is_fitting(trainer: pl.Trainer | None) -> bool:
+    """Whether ``trainer`` is inside ``fit()``: saves are asynchronous there, with a next step to overlap with."""
+    return (
+        trainer is not None and trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+    )
+
+
+def log_to(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Every logger, at the step Lightning's own rows of this moment use (LearningRateMonitor's way)."""
+    if not trainer.is_global_zero or not trainer.loggers:
+        return
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)

@@ -182,8 +182,9 @@ class _Contents:
         return self.entry.step
 
     def lightning_dict(self, keys: list[str] | None = None) -> dict[str, Any]:
-        """The ``.ckpt`` dict; ``keys``: its top-level keys (a name's, as its save asked), default all saved."""
-        if self.adapter != "lightning" or not isinstance(self.state, dict):
+        """The ``.ckpt`` dict (Lightning Fabric's: the dict given to ``fabric.save``); ``keys``: its top-level keys
+        (a name's, as its save asked), default all saved."""
+        if self.adapter not in ("lightning", "fabric") or not isinstance(self.state, dict):
             raise ConfigError(
                 f"{self.entry.where()} was saved by {_saver(self.adapter)}, not Lightning: a .ckpt is made from a "
                 "Lightning run's checkpoint; export this one with --format torch or --format safetensors"

@@ -389,13 +389,17 @@ def _absolute(path: str | os.PathLike[str]) -> str:
     return text if "://" in text else os.path.abspath(text)
 
 
-def resolve(path: str, names: NameWriter | None, config: CheckpointConfig) -> tuple[int | None, str | None]:
+def resolve(
+    path: str, names: NameWriter | None, config: CheckpointConfig, *, partial: Callable[[list[str]], bool] | None = None
+) -> tuple[int | None, str | None]:
     """(step to load from the engine, None: the newest that verifies) or (None, path of a plain checkpoint file).
 
     ``names``: rank 0's writer (a load of a name still being written waits for it); without one, the names
-    recorded under ``config``'s local root. No collectives: a sharded strategy resolves on rank 0 only and
-    broadcasts the answer.
+    recorded under ``config``'s local root. ``partial``: whether a name with these top-level keys holds less than
+    its step, so its file is what to load (default: Lightning's weights-only names). No collectives: a sharded
+    strategy resolves on rank 0 only and broadcasts the answer.
     """
+    partial = partial or (lambda keys: is_weights_only(dict.fromkeys(keys)))
     if os.path.basename(path) in (RESUME_MARKER, _OLD_RESUME_MARKER) and _is_marker(path):
         return None, None
     step = parse_step_dirname(path)
@@ -406,7 +410,7 @@ def resolve(path: str, names: NameWriter | None, config: CheckpointConfig) -> tu
     pending = names.pending(path) if names is not None else None
     if pending is not None:
         pending.result()  # a save of this path is in flight: load what it writes, once it is written
-    if name is not None and not is_weights_only(dict.fromkeys(name.keys)) and _held(name.step, config.tiers()):
+    if name is not None and not partial(name.keys) and _held(name.step, config.tiers()):
         return name.step, None  # the engine's copy: verified, and every rank's own state
     if os.path.exists(os.path.realpath(path)) or "://" in path:
         return None, path
