@@ -25,7 +25,8 @@ import os
 import sys
 import weakref
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -61,9 +62,6 @@ from resilience.persist.fork_server import start_server_early, stop_early_server
 from resilience.recovery.peer_loss import PeerLossConfig
 from resilience.session import SaveState, TrainingSession
 from resilience.storage.tiers import LocalTier
-
-if TYPE_CHECKING:
-    from lightning_resilience.fabric.checkpoints import FabricCheckpoints
 
 _LIVE: weakref.WeakSet[ResilientCheckpointIO] = weakref.WeakSet()
 
@@ -321,7 +319,7 @@ class ResilientCheckpointIO(CheckpointIO):
         always made from the committed step. None: called by Lightning's own strategy, on rank 0 only under
         several processes.
         """
-        if (fabric := _fabric_caller(self)) is not None:  # Lightning Fabric's strategy: its adapter saves
+        if (fabric := _fabric().called_by(self, sys._getframe(1).f_locals.get("self"))) is not None:
             fabric.save_dict(checkpoint, path, storage_options)
             return
         trainer = self._calling_trainer()
@@ -403,7 +401,7 @@ class ResilientCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if (fabric := _fabric_caller(self)) is not None:  # Lightning Fabric's strategy: its adapter loads
+        if (fabric := _fabric().called_by(self, sys._getframe(1).f_locals.get("self"))) is not None:
             return fabric.load(path, weights_only)
         self._calling_trainer()
         step, plain = self.resolve(os.fspath(path))
@@ -442,10 +440,11 @@ class ResilientCheckpointIO(CheckpointIO):
         remove(self._names, os.fspath(path))
 
     def teardown(self) -> None:
-        """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer exits; the
-        run is over, so the plugin is unbound until a hook of the next binds it."""
+        """Wait for in-flight saves, uploads and names, and raise their failures, before the Trainer (or Fabric's
+        strategy) exits; the run is over, so the plugin is unbound until a hook of the next binds it."""
         self._trainer = None
         self._close_session()
+        _fabric().end_all(self)
 
     def _close_session(self) -> None:
         """End the session (ledger, monitors); the engine is drained, and stays for saves after training."""
@@ -482,9 +481,9 @@ def _unbound_state(step: int) -> SaveState:
     )
 
 
-def _fabric_caller(io: ResilientCheckpointIO) -> FabricCheckpoints | None:
-    """For a call from a strategy of Lightning Fabric: the Fabric adapter's checkpoints of it, which take the call
-    (None: another caller). Imported here, as the Fabric adapter builds on this module."""
-    from lightning_resilience.fabric.checkpoints import called_by
+def _fabric() -> ModuleType:
+    """The Fabric adapter's checkpoints, whose ``called_by`` takes the calls of Lightning Fabric's strategies.
+    Imported when used: the Fabric adapter builds on this module."""
+    from lightning_resilience.fabric import checkpoints
 
-    return called_by(io, sys._getframe(2).f_locals.get("self"))
+    return checkpoints

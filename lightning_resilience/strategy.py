@@ -6,7 +6,7 @@ state, but a sharded, deduplicated save is collective: every rank must join. Ove
 strategies (``ModelParallelStrategy``); it is selected by name (``strategy="resilient_ddp"``), by class, or by
 ``class_path`` in a LightningCLI config, and needs no change to the user's module or callbacks.
 ``EveryRankSaves`` is that override, shared with ``ResilientModelParallelStrategy`` (model_parallel_strategy.py);
-``PackPlugin``, what it builds on, is shared with Fabric's strategy (``fabric/strategy.py``).
+``PackPlugin``, its plugin, is shared with Fabric's strategy (``fabric/strategy.py``).
 It also tells the plugin its Trainer (``ResilientCheckpointIO.bind``), which Lightning never tells a CheckpointIO:
 in ``connect``, the first thing of every run (fit, validate, test, predict), before any load, and in each save.
 """
@@ -27,13 +27,9 @@ from resilience.persist.fork_server import share_server
 
 class PackPlugin:
     """What every strategy of the pack (Lightning's and Fabric's) adds first: its CheckpointIO is a
-    ``ResilientCheckpointIO`` (one with the defaults unless given), and the ranks its launcher starts from this
-    process fork their helper processes from this one's fork server, which is up by their first save; theirs
-    would not be."""
+    ``ResilientCheckpointIO``, one with the defaults unless given."""
 
     _checkpoint_io: Any
-    cluster_environment: Any
-    num_processes: int
 
     @property
     def checkpoint_io(self) -> ResilientCheckpointIO:
@@ -51,13 +47,6 @@ class PackPlugin:
     def checkpoint_io(self, io: Any) -> None:
         self._checkpoint_io = io
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        environment = self.cluster_environment
-        starts_ranks = environment is not None and not environment.creates_processes_externally
-        if starts_ranks and self.num_processes > 1 and self.checkpoint_io.config.persist == "process":
-            share_server()
-
 
 class EveryRankSaves(PackPlugin):
     """What a resilient strategy adds to Lightning's: every rank takes part in each save, through the plugin.
@@ -70,10 +59,21 @@ class EveryRankSaves(PackPlugin):
     strategy_name: str
     description: str  # what Lightning's strategy registry lists
     lightning_module: pl.LightningModule | None
+    cluster_environment: Any
+    num_processes: int
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=cls.description)
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher; the ranks it starts from this process fork their helper processes from this
+        one's fork server, which is up by their first save; theirs would not be."""
+        super()._configure_launcher()  # type: ignore[misc]
+        environment = self.cluster_environment
+        starts_ranks = environment is not None and not environment.creates_processes_externally
+        if starts_ranks and self.num_processes > 1 and self.checkpoint_io.config.persist == "process":
+            share_server()
 
     def connect(self, model: pl.LightningModule) -> None:
         """Lightning's connect (the model's Trainer is attached by now), then the plugin learns that Trainer."""

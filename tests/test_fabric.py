@@ -5,6 +5,8 @@ user's ``torch.save`` file, a dict without an optimizer) stays Fabric's."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from torch import nn
 
 from lightning_resilience.fabric import HealthGuardCallback, ResilientCheckpointIO, resume
 from resilience.errors import ConfigError
+from resilience.persist.fork_server import SHARE_VARIABLE, ForkServer
 from tests.test_engine_local import gated_writer
 
 
@@ -174,3 +177,22 @@ def test_bad_input_is_refused_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'/step_fn'.*only pickle can store.*allow_pickle=True"):
         fabric.save(tmp_path / "x.pth", {**state, "step_fn": threading.Lock})
     assert committed(tmp_path / "ckpt") == []
+
+
+def test_the_ranks_fabric_launch_starts_share_the_first_ranks_fork_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Fabric made with several devices leaves the environment alone until ``fabric.launch()`` starts the other
+    ranks: they get this process's fork server in theirs (a rank started apart, by torchrun, has its own)."""
+    monkeypatch.setenv(SHARE_VARIABLE, "")
+    for name in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them
+        monkeypatch.delenv(name, raising=False)
+    server = ForkServer.get(early=True)
+    assert isinstance(server, ForkServer)
+    io = ResilientCheckpointIO(str(tmp_path / "ckpt"), persist="process")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="resilient_ddp", plugins=[io])
+    assert os.environ[SHARE_VARIABLE] == ""
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, env, cwd: started.append(env))
+    fabric.strategy.launcher._call_children_scripts()  # what fabric.launch() runs first
+    assert [env[SHARE_VARIABLE] for env in started] == [server.share]

@@ -62,6 +62,12 @@ def test_saves_are_committed_by_the_engine_and_rotated_by_save_total_limit(refer
     assert not list(out.glob("checkpoint-*")), "the Trainer's own synchronous save did not run"
 
 
+def test_without_save_total_limit_every_checkpoint_is_kept_as_the_trainer_keeps_its_folders(tmp_path: Path) -> None:
+    trainer = trainer_in(tmp_path / "out", save_total_limit=None)
+    trainer.train()
+    assert committed(tmp_path / "out") == [3, 6, 9, 12, 14]
+
+
 def test_resume_true_from_the_newest_that_verifies_ends_with_the_uninterrupted_weights(
     run: Path, reference: tuple[Path, str]
 ) -> None:

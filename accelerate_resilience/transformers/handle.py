@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ from resilience.session import SaveState, TrainingSession
 from resilience.storage.layout import parse_step_dirname, step_dirname
 
 log = logging.getLogger(__name__)
+KEEP_ALL = sys.maxsize  # no save_total_limit: the Trainer keeps every checkpoint, and so does the pack
 # the parts of a checkpoint other than the model's weights (what loading the best model leaves out)
 _NOT_WEIGHTS = ("optimizer", "scheduler", "scaler", "trainer_state")
 
@@ -163,7 +165,7 @@ class TrainerResilience:
         model = compat.model(trainer)
         config = self.plugin.checkpoint_config(
             local_root=os.path.join(compat.output_dir(trainer), "resilience"),
-            keep_last=max(2, limit) if limit and limit > 0 else None,
+            keep_last=max(2, limit) if limit and limit > 0 else KEEP_ALL,
             auto=auto_persist([model], args.world_size),
         )
         if config.persist == "thread":
@@ -408,8 +410,8 @@ def attach_trainer(
     Args:
         trainer: The Trainer (or a subclass: ``Seq2SeqTrainer``, TRL's trainers).
         plugin: Settings; default ``ResiliencePlugin()``, i.e. all from ``ACCELERATE_RESILIENCE_*``. ``local_root``
-            defaults to ``<output_dir>/resilience``, ``keep_last`` to ``save_total_limit`` (at least 2), ``run_dir``
-            to ``output_dir``.
+            defaults to ``<output_dir>/resilience``, ``keep_last`` to ``save_total_limit`` (at least 2; without
+            one, every checkpoint is kept, as the Trainer keeps its folders), ``run_dir`` to ``output_dir``.
         health: Health-monitoring settings; giving them turns monitoring on (as ``plugin.health`` does with the
             defaults).
     """

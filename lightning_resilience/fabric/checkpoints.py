@@ -306,6 +306,13 @@ def called_by(io: ResilientCheckpointIO, caller: Any) -> FabricCheckpoints | Non
     return None
 
 
+def end_all(io: ResilientCheckpointIO) -> None:
+    """The plugin's teardown (Fabric's ``Strategy.teardown`` calls it): the checkpoints it serves end their
+    session, and their engines rest."""
+    for checkpoints in [found for found in _OF.values() if found.io is io]:
+        checkpoints.end()
+
+
 def _replicated(state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> tuple[str, ...]:
     """The keys of modules and optimizers: their state dicts are alike on every DDP rank."""
     return tuple(k for k, v in state.items() if k in checkpoint and isinstance(v, (Module, Optimizer)))

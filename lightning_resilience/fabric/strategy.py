@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_resilience.fabric.checkpoints import serve
 from lightning_resilience.strategy import PackPlugin
+from resilience.persist.fork_server import share_server
 
 
 class ResilientDDPStrategy(PackPlugin, DDPStrategy):  # type: ignore[misc]
@@ -34,6 +36,14 @@ class ResilientDDPStrategy(PackPlugin, DDPStrategy):  # type: ignore[misc]
             )
         super().__init__(*args, **kwargs)
 
+    def _configure_launcher(self) -> None:
+        """Fabric's launcher; when it starts the other ranks from this process (``fabric.launch()``), they fork their
+        helper processes from this one's fork server, which is up by their first save; theirs would not be."""
+        super()._configure_launcher()
+        launcher = self._launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and self.checkpoint_io.config.persist == "process":
+            self._launcher = _SharingLauncher(launcher.cluster_environment, launcher.num_processes, launcher.num_nodes)
+
     def setup_environment(self) -> None:
         """The process group, then the pack's checkpoints of this strategy (local: the engine comes later)."""
         super().setup_environment()
@@ -50,11 +60,6 @@ class ResilientDDPStrategy(PackPlugin, DDPStrategy):  # type: ignore[misc]
         path = self.broadcast(path)
         serve(self, self.checkpoint_io).save(path, state, filter, storage_options)
 
-    def teardown(self) -> None:
-        """Fabric's, after the last saves and names (the engine rests, for saves after it)."""
-        serve(self, self.checkpoint_io).end()
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
@@ -66,6 +71,16 @@ class ResilientDDPStrategy(PackPlugin, DDPStrategy):  # type: ignore[misc]
             description="resilient_ddp with find_unused_parameters=True",
             find_unused_parameters=True,
         )
+
+
+class _SharingLauncher(_SubprocessScriptLauncher):
+    """Fabric's launcher, sharing this process's fork server with the ranks it starts, as they are started: a
+    Fabric made and never launched leaves the environment as it was."""
+
+    def _call_children_scripts(self) -> None:
+        if self.num_processes > 1:
+            share_server()
+        super()._call_children_scripts()
 
 
 ResilientDDPStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -1,12 +1,15 @@
-"""Pytest plugin that makes every Lightning ``Trainer`` of a test run save through ``ResilientCheckpointIO``.
+"""Pytest plugin that makes every Lightning ``Trainer`` and every ``Fabric`` of a test run save through
+``ResilientCheckpointIO``.
 
 Load it with ``-p resilient_io_plugin`` (this directory on ``PYTHONPATH``) to run someone else's tests, such as
-Lightning's own ``tests_pytorch/checkpointing``, against the pack without editing them.
+Lightning's own ``tests_pytorch/checkpointing`` or Fabric's save and load tests, against the pack without editing
+them.
 
-Why ``_AcceleratorConnector.__init__``: every ``Trainer`` builds exactly one, and it receives ``plugins`` and
-``strategy`` exactly as the user passed them, so the plugin can be added the way a user would add it
-(``Trainer(plugins=[io])``) and a Trainer that already has a CheckpointIO (in ``plugins`` or on a strategy
-instance) can be left alone. Patching ``Trainer.__init__`` instead would have to mirror its long signature.
+Why ``_AcceleratorConnector.__init__`` (and Fabric's ``_Connector.__init__``): every ``Trainer`` (``Fabric``)
+builds exactly one, and it receives ``plugins`` and ``strategy`` exactly as the user passed them, so the plugin
+can be added the way a user would add it (``Trainer(plugins=[io])``) and one that already has a CheckpointIO (in
+``plugins`` or on a strategy instance) can be left alone. Patching ``Trainer.__init__`` instead would have to
+mirror its long signature.
 
 Environment (set by ``run.py``; defaults make plain ``pytest -p resilient_io_plugin`` work too):
 
@@ -16,8 +19,8 @@ Environment (set by ``run.py``; defaults make plain ``pytest -p resilient_io_plu
   tests that leave files there.
 - ``LR_SUITE_IO_SCOPE``: ``test`` (default: all Trainers of a test share one ``local_root``, as a script that
   fits and then resumes would) or ``trainer`` (each Trainer its own, as unrelated runs would).
-- ``LR_SUITE_RECORD``: a JSON-lines file that gets one line per Trainer: test id, strategy, and whether (and
-  why not) the plugin was added, so a pass can be told from a test that never used the plugin.
+- ``LR_SUITE_RECORD``: a JSON-lines file that gets one line per Trainer or Fabric: test id, strategy, and
+  whether (and why not) the plugin was added, so a pass can be told from a test that never used the plugin.
 """
 
 from __future__ import annotations
@@ -93,15 +96,12 @@ def _record(entry: dict[str, Any]) -> None:
             f.write(json.dumps(entry) + "\n")
 
 
-def _wrap(original: Callable[..., None]) -> Callable[..., None]:
+def _wrap(original: Callable[..., None], registry: Any) -> Callable[..., None]:
+    """``original``, the connector's ``__init__``, with the plugin added; ``registry``: its strategy names."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        from lightning_resilience import ResilientCheckpointIO
-
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         plugins, strategy = bound.arguments["plugins"], bound.arguments["strategy"]
@@ -110,19 +110,40 @@ def _wrap(original: Callable[..., None]) -> Callable[..., None]:
         kept = _own_checkpoint_io(plugins, strategy)
         if kept is not None:
             entry.update(injected=False, why=kept)
+            _record(entry)
         else:
-            local_root = _local_root(test_id)
-            io = ResilientCheckpointIO(local_root=local_root)
-            _created.append(io)
-            bound.arguments["plugins"] = [*_as_list(plugins), io]
-            if isinstance(strategy, str) and _DDP_NAMES.get(strategy) in StrategyRegistry:
+            if isinstance(strategy, str) and _DDP_NAMES.get(strategy) in registry:
                 bound.arguments["strategy"] = _DDP_NAMES[strategy]
                 entry["strategy_replaced_by"] = _DDP_NAMES[strategy]
-            entry.update(injected=True, local_root=local_root)
-        _record(entry)
+            bound.arguments["plugins"] = [*_as_list(plugins), _new_io(entry)]
         original(*bound.args, **bound.kwargs)
 
     return __init__
+
+
+def _new_io(entry: dict[str, Any]) -> Any:
+    """A plugin for the running test (recorded with ``entry``), closed after its teardown."""
+    from lightning_resilience import ResilientCheckpointIO
+
+    local_root = _local_root(entry["test"])
+    io = ResilientCheckpointIO(local_root=local_root)
+    _created.append(io)
+    entry.update(injected=True, local_root=local_root)
+    _record(entry)
+    return io
+
+
+def _default_io(stock: property) -> property:
+    """Fabric's ``Strategy.checkpoint_io``, whose default (a strategy made without one, as Fabric's strategy tests
+    make them) is the pack's plugin instead of ``TorchCheckpointIO``."""
+
+    def checkpoint_io(self: Any) -> Any:
+        if self._checkpoint_io is None:
+            entry = {"test": _current_test(), "pid": os.getpid(), "strategy": type(self).__name__}
+            self._checkpoint_io = _new_io({**entry, "via": "the strategy's default CheckpointIO"})
+        return stock.fget(self)  # type: ignore[misc]
+
+    return property(checkpoint_io, stock.fset)
 
 
 def _describe(strategy: Any) -> str:
@@ -132,18 +153,30 @@ def _describe(strategy: Any) -> str:
 def pytest_configure(config: pytest.Config) -> None:
     """Fix the session's base directory (before any test, so no test sees it as a leaked variable) and patch."""
     try:  # fail the session once, not every test, when the pack does not import (e.g. mid-refactor)
-        from lightning_resilience import ResilientCheckpointIO  # noqa: F401
+        import lightning_resilience.fabric  # noqa: F401  # registers Fabric's "resilient_ddp" too
     except Exception as exc:
         raise pytest.UsageError(f"resilient_io_plugin: cannot import lightning_resilience: {exc!r}") from exc
     if not os.environ.get(ENV_BASE):
         os.environ[ENV_BASE] = tempfile.mkdtemp(prefix="lr-suite-io-")
+    from lightning.fabric import connector as fabric_connector
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
     from lightning.pytorch.trainer.connectors import accelerator_connector
 
-    connector = accelerator_connector._AcceleratorConnector
-    if not getattr(connector.__init__, "_resilient_io_plugin", False):
-        patched = _wrap(connector.__init__)
-        patched._resilient_io_plugin = True  # type: ignore[attr-defined]
-        connector.__init__ = patched
+    for connector, registry in (
+        (accelerator_connector._AcceleratorConnector, StrategyRegistry),
+        (fabric_connector._Connector, STRATEGY_REGISTRY),
+    ):
+        if not getattr(connector.__init__, "_resilient_io_plugin", False):
+            patched = _wrap(connector.__init__, registry)
+            patched._resilient_io_plugin = True  # type: ignore[attr-defined]
+            connector.__init__ = patched  # type: ignore[method-assign]
+    from lightning.fabric.strategies.strategy import Strategy
+
+    if not getattr(Strategy.checkpoint_io.fget, "_resilient_io_plugin", False):
+        patched_io = _default_io(Strategy.checkpoint_io)
+        patched_io.fget._resilient_io_plugin = True  # type: ignore[union-attr]
+        Strategy.checkpoint_io = patched_io  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(wrapper=True)

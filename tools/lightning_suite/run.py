@@ -1,4 +1,5 @@
-"""Run a Lightning test suite stock and with ``ResilientCheckpointIO`` plugged into every Trainer; summarise.
+"""Run a Lightning test suite stock and with ``ResilientCheckpointIO`` plugged into every Trainer (or Fabric);
+summarise.
 
 Lightning's tests are not part of this project: they are extracted elsewhere (see README.md) and only pointed
 to here. Each mode is one pytest process for most tests, plus one process per test whose id matches
@@ -58,7 +59,8 @@ def pytest_cmd(args: argparse.Namespace, plugged: bool, targets: list[str], extr
     cmd += ["-p", "suite_results", f"--timeout={args.timeout}"]
     if plugged:
         cmd += ["-p", "resilient_io_plugin"]
-    return cmd + targets + [f"--ignore={args.suite}/{name}" for name in args.ignore] + extra + args.pytest_args
+    ignored = [f"--ignore={suite}/{name}" for suite in args.suite for name in args.ignore]
+    return cmd + targets + ignored + extra + args.pytest_args
 
 
 def env_for(args: argparse.Namespace, results: Path, record: Path, io_base: Path) -> dict[str, str]:
@@ -87,7 +89,7 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path, limit: float)
 
 
 def collect(args: argparse.Namespace, cwd: Path) -> list[str]:
-    cmd = pytest_cmd(args, plugged=False, targets=[args.suite], extra=["--collect-only"])
+    cmd = pytest_cmd(args, plugged=False, targets=args.suite, extra=["--collect-only"])
     out = subprocess.run(cmd, cwd=cwd, env=env_for(args, *[Path(os.devnull)] * 3), capture_output=True, text=True)
     ids = [line.strip() for line in out.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     if not ids:
@@ -133,7 +135,7 @@ def run_mode(args: argparse.Namespace, mode: str, ids: list[str], cwd: Path) -> 
     with tempfile.TemporaryDirectory(prefix=f"lr-suite-{mode}-") as io_base:
         env = env_for(args, results, record, Path(io_base))
         plugged = mode == "plugged"
-        bulk = pytest_cmd(args, plugged, [args.suite], [f"--deselect={i}" for i in isolated])
+        bulk = pytest_cmd(args, plugged, args.suite, [f"--deselect={i}" for i in isolated])
         finished = {"bulk": run(bulk, cwd, env, log, args.bulk_limit)}
         for test_id in isolated:
             finished[test_id] = run(pytest_cmd(args, plugged, [test_id], []), cwd, env, log, args.test_limit)
@@ -221,7 +223,8 @@ def summarise(args: argparse.Namespace, ids: list[str], modes: dict[str, dict[st
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    lines = [f"# Lightning `{summary['suite']}` suite ({summary['label']}): {summary['tests']} tests", ""]
+    suites = ", ".join(f"`{suite}`" for suite in summary["suite"])
+    lines = [f"# Lightning's {suites} ({summary['label']}): {summary['tests']} tests", ""]
     lines += ["| mode | " + " | ".join(OUTCOMES) + " |", "|---" * (len(OUTCOMES) + 1) + "|"]
     for mode, entry in summary["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(str(entry["counts"].get(o, 0)) for o in OUTCOMES) + " |")
@@ -230,8 +233,9 @@ def markdown(summary: dict[str, Any]) -> str:
     for mode, entry in summary["modes"].items():
         if "tests_with_a_plugged_trainer" in entry:
             plugged = entry["tests_with_a_plugged_trainer"]
-            lines += ["", f"Tests in which at least one Trainer got the plugin: {plugged}."]
-            lines.append(f"Passed without any plugged Trainer: {len(entry['passed_without_a_plugged_trainer'])}.")
+            lines += ["", f"Tests in which at least one Trainer or Fabric got the plugin: {plugged}."]
+            passed_without = len(entry["passed_without_a_plugged_trainer"])
+            lines.append(f"Passed without any plugged Trainer or Fabric: {passed_without}.")
         if not entry["failures"]:
             continue
         lines += ["", f"## {mode}: failures", ""]
@@ -254,7 +258,9 @@ OUTCOMES = ["passed", "failed", "error", "skipped", "xfailed", "timeout", "missi
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tests-root", type=Path, required=True, help="Lightning's tests/tests_pytorch, extracted")
-    p.add_argument("--suite", default="checkpointing", help="directory under --tests-root to run")
+    p.add_argument(
+        "--suite", nargs="+", default=["checkpointing"], help="directories, files or test ids under --tests-root"
+    )
     p.add_argument("--ignore", nargs="*", default=["test_legacy_checkpoints.py"], help="files in --suite to skip")
     p.add_argument("--out", type=Path, default=Path("lightning-suite-results"), help="where results go")
     p.add_argument("--modes", nargs="+", choices=["stock", "plugged"], default=["stock", "plugged"])
