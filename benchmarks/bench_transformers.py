@@ -36,7 +36,7 @@ import torch
 import transformers
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import PretrainedConfig, PreTrainedModel, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from accelerate_resilience import ResiliencePlugin
 from accelerate_resilience.transformers import attach_trainer
@@ -125,6 +125,7 @@ def run(model: Wide, data: Inputs, variant: str, root: Path, steps: int, every: 
     )
     end = TrainEnd()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[end])
+    trainer.remove_callback(PrinterCallback)  # its lines would go into the report (stdout)
     if variant in (OURS_ASYNC, OURS_SYNC):
         attach_trainer(trainer, ResiliencePlugin(async_staging=variant == OURS_ASYNC, goodput=False))
     gc.collect()

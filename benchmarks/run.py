@@ -63,6 +63,12 @@ BENCHES = (
         ("--size-gb", "0.02", "--steps", "8", "--rounds", "1"),
         timeout_s=5400,
     ),
+    Bench(
+        "transformers-added",
+        "benchmarks.bench_transformers",
+        quick=("--size-gb", "0.02", "--steps", "8", "--rounds", "1"),
+        timeout_s=5400,
+    ),
     Bench("ddp", "benchmarks.bench_ddp", quick=("--size-gb", Q, "--saves", "2")),
     Bench("resume", "benchmarks.bench_resume", quick=("--size-gb", Q, "--repeats", "1")),
     Bench("memory", "benchmarks.bench_memory", quick=("--size-gb", Q, "--saves", "4")),
