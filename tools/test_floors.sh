@@ -70,7 +70,7 @@ dist = m.distribution("training-resilience")
 for package in ("resilience", "lightning_resilience", "accelerate_resilience"):
     assert dist.locate_file(f"{package}/py.typed").is_file(), f"{package}/py.typed is not installed"
 assert "editable" not in (dist.read_text("direct_url.json") or ""), "an editable install: not what users get"
-names = "numpy fsspec xxhash lightning jsonargparse zlib-ng accelerate nvidia-ml-py torchdata matplotlib moto psutil pytest"
+names = "numpy fsspec xxhash lightning jsonargparse zlib-ng accelerate transformers nvidia-ml-py torchdata matplotlib moto psutil pytest"
 print("floors:", ", ".join(f"{n} {m.version(n)}" for n in names.split()))
 ')
 
@@ -105,6 +105,10 @@ smoke=(
   # (accelerate#4071: skip_first_batches kept epoch 0's shuffle); docs/ACCELERATE.md says so.
   'tests/test_accelerate_handle.py::test_stop_and_resume_is_exact[mid-epoch-stateful]'
   'tests/test_accelerate_handle.py::test_stop_and_resume_is_exact[after-the-last-batch-of-epoch-0-plain]'
+  # transformers 5.0 (+ accelerate): the Trainer's save, boundary and load methods the pack stands in for; a resume
+  # from a named step is bit-exact, and the best checkpoint outlives rotation and is loaded at the end.
+  'tests/test_transformers_trainer.py::test_resume_from_a_named_step_ends_with_the_uninterrupted_weights[resilience/step-9]'
+  tests/test_transformers_trainer.py::test_the_best_checkpoint_outlives_rotation_and_is_loaded_at_the_end
   # nvidia-ml-py 12.535.77: the real module with no driver; its ClocksEventReasons names and event constants.
   tests/test_health_guard.py::test_no_nvml_still_handles_signals
   tests/test_health_monitor.py::test_thermal_slowdown_is_degraded_and_reported_again_only_after_clearing
