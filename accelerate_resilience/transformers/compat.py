@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainerControl
+from transformers import Trainer, TrainerControl, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint
@@ -54,23 +54,27 @@ def refuse_unsupported(trainer: Trainer) -> None:
 
 
 def trainer_state_json(trainer: Trainer) -> str:
-    """What ``Trainer._save_checkpoint`` writes as ``trainer_state.json``: the state, with the states of the
-    callbacks that export theirs (``ExportableState``, and the ``TrainerControl``) as they are now.
-
-    Built on a copy: the Trainer appends to the live state's lists at every save, so its file grows by a copy of
-    each duplicated callback's state per save; this file is the one its first save would write. Plain JSON,
-    never a pickle: the pack loads no pickles it did not allow.
-    """
-    state = dataclasses.asdict(trainer.state)
-    kept = state["stateful_callbacks"]
+    """What ``Trainer._save_checkpoint`` writes as ``trainer_state.json``, after doing what it does to the live
+    state first: the states of the callbacks that export theirs (``ExportableState``, and the ``TrainerControl``)
+    go into it, a duplicated callback's list growing by one entry per save, as in the Trainer. So the state in
+    memory after a save is the one a resume from it comes back with. Plain JSON, never a pickle."""
+    kept: dict[str, Any] = trainer.state.stateful_callbacks  # type: ignore[assignment]  # a dict once made
     for callback in [*trainer.callback_handler.callbacks, trainer.control]:
         if isinstance(callback, ExportableState):
             name = type(callback).__name__
             if isinstance(kept.get(name), list):
-                kept[name] = [*kept[name], callback.state()]
+                kept[name].append(callback.state())
             else:
                 kept[name] = callback.state()
-    return json.dumps(state, indent=2, sort_keys=True) + "\n"
+    return json.dumps(dataclasses.asdict(trainer.state), indent=2, sort_keys=True) + "\n"
+
+
+def take_state(trainer: Trainer, text: str) -> None:
+    """What ``Trainer.train`` takes from a checkpoint's ``trainer_state.json`` before its loop: the state, and
+    with ``auto_find_batch_size`` the batch size the run had come down to (``Trainer._train_batch_size``)."""
+    trainer.state = TrainerState(**json.loads(text))
+    if trainer.state.train_batch_size is not None and trainer.args.auto_find_batch_size:
+        trainer._train_batch_size = trainer.state.train_batch_size
 
 
 def tracks_best(trainer: Trainer) -> bool:

@@ -13,7 +13,6 @@ save asynchronous, committed by a manifest, verified at resume. See ``docs/TRANS
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -152,7 +151,7 @@ class TrainerResilience:
         """A run resumed at its ``max_steps``: the Trainer would train one step more (its loop checks the step count
         only after a step); with the weights in place already, this run only takes the checkpoint's state."""
         trainer = self.trainer
-        trainer.state = TrainerState(**json.loads(restored.state["trainer_state"]))
+        compat.take_state(trainer, restored.state["trainer_state"])
         session.restored(restored, position=f"global step {trainer.state.global_step}: max_steps reached")
         if trainer.args.process_index == 0:
             log.info("Step %d is max_steps already: nothing left to train", trainer.state.global_step)
