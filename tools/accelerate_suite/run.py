@@ -34,7 +34,7 @@ def pytest_cmd(args: argparse.Namespace, plugged: bool, extra: tuple[str, ...] =
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--rootdir=.", "--color=no", "-q"]
     cmd += ["-p", "suite_results", f"--timeout={args.timeout}"]
     if plugged:
-        cmd += ["-p", "attach_plugin"]
+        cmd += ["-p", args.plugin]
     return [*cmd, *args.files, *extra, *args.pytest_args]
 
 
@@ -80,7 +80,8 @@ def run_mode(args: argparse.Namespace, mode: str, ids: list[str], cwd: Path) -> 
 
 
 def summarise(args: argparse.Namespace, ids: list[str], modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    summary: dict[str, Any] = {"label": args.label, "files": args.files, "tests": len(ids), "modes": {}}
+    summary: dict[str, Any] = {"title": args.title, "label": args.label, "files": args.files, "tests": len(ids)}
+    summary.update(attached=args.attached, modes={})
     for mode, tests in modes.items():
         counts: dict[str, int] = {}
         for t in tests.values():
@@ -104,21 +105,21 @@ def summarise(args: argparse.Namespace, ids: list[str], modes: dict[str, dict[st
         record = args.out / mode / "accelerators.jsonl"
         if mode == "plugged" and record.exists():
             made = [json.loads(line) for line in record.read_text(encoding="utf-8").splitlines()]
-            entry["accelerators_attached"] = sum(1 for e in made if e["attached"])
+            entry["attached"] = sum(1 for e in made if e["attached"])
             entry["not_attached"] = sorted({e["why"] for e in made if not e["attached"]})
         summary["modes"][mode] = entry
     return summary
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    lines = [f"# Accelerate's tests ({summary['label']}): {summary['tests']} tests", "", "Files: "]
+    lines = [f"# {summary['title']} ({summary['label']}): {summary['tests']} tests", "", "Files: "]
     lines[-1] += ", ".join(f"`{f}`" for f in summary["files"])
     lines += ["", "| mode | " + " | ".join(shared.OUTCOMES) + " |", "|---" * (len(shared.OUTCOMES) + 1) + "|"]
     for mode, entry in summary["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(str(entry["counts"].get(o, 0)) for o in shared.OUTCOMES) + " |")
     for mode, entry in summary["modes"].items():
-        if "accelerators_attached" in entry:
-            lines += ["", f"Accelerators attached: {entry['accelerators_attached']}."]
+        if "attached" in entry:
+            lines += ["", f"{summary['attached']} attached: {entry['attached']}."]
             lines += [f"Not attached: {why}" for why in entry["not_attached"]]
         if entry.get("passed_stock_not_plugged") is not None:
             lines.append(f"Passed stock, not plugged: {len(entry['passed_stock_not_plugged'])}.")
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=300, help="pytest-timeout limit per test, seconds")
     p.add_argument("--limit", type=float, default=3600, help="wall-clock limit per mode, seconds")
     p.add_argument("--label", default="accelerate v1.14.0 tests", help="what was extracted, for the summary")
+    p.add_argument("--title", default="Accelerate's tests", help="the summary's heading")
+    p.add_argument("--plugin", default="attach_plugin", help="the pytest plugin that plugs the pack in")
+    p.add_argument("--attached", default="Accelerators", help="what the plugin attaches to, for the summary")
     p.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
