@@ -22,10 +22,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.serialization import config as serialization_config
 
 from resilience import CheckpointConfig, CheckpointManager
-from resilience.checkpoint.step_reader import ShardItem
 from resilience.formats import raw_bytes, torch_file
 from resilience.formats.export import write_name
-from resilience.persist import direct_io
+from resilience.persist import direct_io, record_layout
 from resilience.persist.direct_io import ALIGN, CHUNK, THROUGH_BYTES, HashedFileStream, Written
 from resilience.storage import proofs
 from resilience.storage.dcp_fs import HashedFileSystem
@@ -236,6 +235,33 @@ def test_a_direct_reader_reads_the_files_bytes_at_any_position(tmp_path: Path, s
         assert hash_stream(reader) == hash_stream(plain) == (hash_bytes(data), size)
 
 
+def test_a_direct_reader_reads_into_block_aligned_memory_without_its_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom(2 * CHUNK + 3 * ALIGN + 5)
+    (tmp_path / "f").write_bytes(data)
+    fills: list[int] = []
+    real_fill = direct_io.DirectReader._fill
+
+    def counted(self: direct_io.DirectReader, wanted: int) -> bool:
+        fills.append(wanted)
+        return real_fill(self, wanted)
+
+    monkeypatch.setattr(direct_io.DirectReader, "_fill", counted)
+    target = mmap.mmap(-1, len(data))  # page-aligned
+    with _direct_reader_or_skip(tmp_path / "f") as reader:
+        reader.seek(ALIGN)
+        body = len(data) - ALIGN - 5  # whole blocks
+        assert reader.readinto(memoryview(target)[:body]) == body
+        assert not fills, "an aligned read into aligned memory went through the buffer"
+        assert reader.readinto(memoryview(target)[body : body + 100]) == 5  # the tail, through the buffer
+        assert fills
+        assert target[: body + 5] == data[ALIGN:]
+        reader.seek(ALIGN + 1)  # the file's position off its block: through the buffer, still right
+        assert reader.readinto(memoryview(target)[: 2 * ALIGN]) == 2 * ALIGN
+        assert target[: 2 * ALIGN] == data[ALIGN + 1 : 3 * ALIGN + 1]
+
+
 def test_a_file_out_of_the_cache_is_read_past_it_and_a_cached_one_through_it(tmp_path: Path) -> None:
     path = tmp_path / "f"
     path.write_bytes(os.urandom(3 * ALIGN))
@@ -333,10 +359,10 @@ def test_a_shard_entry_is_copied_only_when_its_record_holds_exactly_the_tensors_
         start = out.tell()
         torch.save(tensor, out)  # the same entry again, its records without CRC-32s (as the helper writes them)
         unchecked = out.tell() - start
-    item = ShardItem("shard", 100, length, tuple(tensor.shape), tensor.dtype)
-    again = ShardItem("shard", start, unchecked, tuple(tensor.shape), tensor.dtype)
+    shape = tuple(tensor.shape)
     with open(path, "rb") as source:
-        found, found_again = torch_file._stored_record(source, item), torch_file._stored_record(source, again)
+        found = record_layout.stored_record(source, 100, length, shape, tensor.dtype)
+        found_again = record_layout.stored_record(source, start, unchecked, shape, tensor.dtype)
     if not whole:
         assert found is None and found_again is None
         return
@@ -357,7 +383,7 @@ class _Planted:
 
 
 def test_the_layout_of_a_shard_entry_is_read_without_running_what_its_pickle_names(tmp_path: Path) -> None:
-    assert torch_file._TensorLayout.of(pickle.dumps(_Planted(tmp_path / "ran"), protocol=2)) is None
+    assert record_layout.TensorLayout.of(pickle.dumps(_Planted(tmp_path / "ran"), protocol=2)) is None
     assert not (tmp_path / "ran").exists()
 
 

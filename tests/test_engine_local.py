@@ -97,6 +97,37 @@ def test_tensors_without_a_target_are_taken_as_read_and_given_ones_filled_in_pla
     assert all(torch.equal(restored.state[key], value) for key, value in state.items())  # type: ignore[index]
 
 
+def test_a_large_tensor_without_a_target_is_read_into_memory_of_its_own_on_a_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the page cache, bytes can go from the device straight into memory that starts on a block: a large
+    tensor's record is read there (no copy out of a bounce buffer), and that memory becomes the tensor; what is
+    small, sliced or given a target is read as before. Nothing runs torch.load for the large one."""
+    from resilience.checkpoint import loader
+    from resilience.persist.direct_io import ALIGN
+
+    state = {"large": torch.randn(700, 700), "wide": torch.randn(3, 700, 300).double(), "small": torch.randn(10)}
+    with manager(tmp_path) as m:
+        m.save(1, state)
+    loads: list[object] = []
+    real_load = torch.load
+
+    def counted(*args: object, **kwargs: object) -> object:
+        loads.append(args[0])
+        return real_load(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loader.torch, "load", counted)
+    with manager(tmp_path) as m:
+        restored = m.load()
+    assert restored is not None
+    for key in ("large", "wide"):
+        tensor = restored.state[key]  # type: ignore[index]
+        assert torch.equal(tensor, state[key]) and tensor.dtype == state[key].dtype
+        assert tensor.data_ptr() % ALIGN == 0 and tensor.is_contiguous()
+    assert torch.equal(restored.state["small"], state["small"])  # type: ignore[index]
+    assert len(loads) == 1, "only the small tensor goes through torch.load"
+
+
 def test_a_load_target_made_on_demand_and_top_level_keys_left_out(tmp_path: Path) -> None:
     made: list[int] = []
 

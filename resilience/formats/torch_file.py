@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import collections
 import errno
-import functools
 import io
-import math
 import os
 import pickle
 import struct
 import types
-import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
@@ -38,16 +34,14 @@ from resilience.formats import raw_bytes
 from resilience.formats.crc import crc32
 from resilience.persist.direct_io import (
     ALIGN,
-    Window,
     aligned_storages,
     copy_range,
     pwrite_aligned,
     pwrite_all,
     reopen_direct,
 )
+from resilience.persist.record_layout import stored_at, stored_record
 
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
-_LOCAL_SIGNATURE = b"PK\x03\x04"
 _CENTRAL_HEADER = struct.Struct("<4s4B4HL2L5H2L")
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
@@ -91,7 +85,7 @@ def write_torch_file(obj: Any, stream: IO[bytes], reader: StepReader) -> int:
         for name, group in by_file.items():
             with reader.open_file(name) as source:
                 for index, item in sorted(group, key=lambda pair: pair[1].offset):  # one pass through the file
-                    stored = _stored_record(source, item)
+                    stored = stored_record(source, item.offset, item.length, item.shape, item.dtype)
                     if stored is not None:
                         writer.copy(records[str(index)], source, *stored)
                         copied.add(index)
@@ -236,146 +230,6 @@ def _values(
         yield keys[id(placeholder)], value
 
 
-def _stored_record(source: IO[bytes], item: ShardItem) -> tuple[int, int, int | None] | None:
-    """(offset in the shard, size, CRC-32) of the storage record of DCP entry ``item`` when it holds exactly the
-    tensor's bytes in row-major order: the tensor was pickled at storage offset 0 with contiguous strides, the
-    dtype and shape the metadata gives, over a stored (uncompressed) record of its size. None otherwise, or for
-    anything this reader does not know (the tensor is then read instead). The CRC-32 is None where the entry's
-    writer recorded none (0 for bytes whose CRC is not 0: torch's ``compute_crc32`` off, as in our helper)."""
-    source.seek(item.offset)
-    window = Window(source, item.length)
-    try:
-        archive = zipfile.ZipFile(window)
-        pickles = [info for info in archive.infolist() if info.filename.rpartition("/")[2] == "data.pkl"]
-        if len(pickles) != 1:
-            return None
-        pickled = _stored_at(window, pickles[0])
-        if pickled is None:
-            return None
-        window.seek(pickled)
-        layout = _TensorLayout.of(window.read(pickles[0].file_size))
-        prefix = pickles[0].filename[: -len("data.pkl")]
-        info = archive.getinfo(f"{prefix}data/{layout.storage}") if layout is not None else None
-    except (zipfile.BadZipFile, KeyError, ValueError, EOFError, struct.error):
-        return None
-    nbytes = math.prod(item.shape) * item.dtype.itemsize
-    if layout is None or info is None or not layout.is_whole(item.shape, item.dtype) or info.file_size != nbytes:
-        return None
-    at = _stored_at(window, info)
-    if at is None:
-        return None
-    crc = None if info.CRC == 0 and nbytes else info.CRC  # a CRC-32 of 0 is rare enough to compute again
-    return item.offset + at, nbytes, crc
-
-
-def _stored_at(archive: IO[bytes] | io.RawIOBase, info: zipfile.ZipInfo) -> int | None:
-    """Where the bytes of the uncompressed record ``info`` start in ``archive`` (read from its local header, not
-    through ``zipfile``, which would check a CRC-32 that torch may not have written); None if compressed."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return None
-    archive.seek(info.header_offset)
-    fields = _LOCAL_HEADER.unpack(archive.read(_LOCAL_HEADER.size))
-    if fields[0] != _LOCAL_SIGNATURE:
-        return None
-    return info.header_offset + _LOCAL_HEADER.size + fields[10] + fields[11]
-
-
-@dataclass(frozen=True)
-class _TensorLayout:
-    """How the pickle of a ``torch.save`` of one tensor lays it over its storage."""
-
-    storage: str  # the storage's record key
-    dtype: torch.dtype
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    def is_whole(self, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """The tensor is its whole storage, row-major, as ``shape`` and ``dtype``."""
-        contiguous, step = [], 1
-        for length in reversed(shape):
-            contiguous.append(step)
-            step *= length
-        return (
-            self.dtype == dtype
-            and self.offset == 0
-            and self.size == tuple(shape)
-            and self.stride == tuple(reversed(contiguous))
-        )
-
-    @classmethod
-    def of(cls, data: bytes) -> _TensorLayout | None:
-        """The layout that pickle ``data`` describes, or None if it is anything but one such tensor: only the
-        names a tensor's pickle uses are resolved, and nothing is built (no storage is read)."""
-        try:
-            found = _LayoutUnpickler(io.BytesIO(data)).load()
-        except (pickle.UnpicklingError, TypeError, ValueError, IndexError, EOFError):
-            return None
-        return found if isinstance(found, cls) else None
-
-
-class _StorageType:
-    """What the pickle names as a storage's class: a legacy typed storage (its dtype), or UntypedStorage."""
-
-    def __init__(self, dtype: torch.dtype | None) -> None:
-        self.dtype = dtype
-
-
-@dataclass(frozen=True)
-class _StorageRef:
-    key: str
-    dtype: torch.dtype | None
-
-
-@functools.cache
-def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
-    """``FloatStorage`` -> ``torch.float32`` and the like (asking a legacy class warns that it is deprecated)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        legacy = torch.storage._LegacyStorage
-        return {
-            cls.__name__: cls.dtype
-            for cls in vars(torch).values()
-            if isinstance(cls, type) and issubclass(cls, legacy) and cls is not legacy
-        }
-
-
-def _layout_v2(storage: _StorageRef, offset: int, size: Any, stride: Any, *args: Any) -> _TensorLayout:
-    if storage.dtype is None:
-        raise pickle.UnpicklingError("an untyped storage without the dtype _rebuild_tensor_v3 gives")
-    return _TensorLayout(storage.key, storage.dtype, int(offset), tuple(size), tuple(stride))
-
-
-def _layout_v3(
-    storage: _StorageRef, offset: int, size: Any, stride: Any, requires_grad: Any, hooks: Any, dtype: Any, *args: Any
-) -> _TensorLayout:
-    if not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError(f"{dtype!r} is not a dtype")
-    return _TensorLayout(storage.key, dtype, int(offset), tuple(size), tuple(stride))
-
-
-class _LayoutUnpickler(pickle.Unpickler):
-    """Resolves only what a pickled tensor refers to, into stand-ins that record its layout."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return _layout_v2 if name.endswith("v2") else _layout_v3
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch.storage", "UntypedStorage"):
-            return _StorageType(None)
-        if module == "torch" and name in _legacy_storage_dtypes():
-            return _StorageType(_legacy_storage_dtypes()[name])
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a pickled tensor")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise pickle.UnpicklingError(f"persistent id {pid!r} is not a storage")
-        return _StorageRef(str(pid[2]), pid[1].dtype)
-
-
 def _records(stream: IO[bytes]) -> dict[str, _Record]:
     """Storage key -> its record, read from the zip archive that ``torch.save`` wrote."""
     archive = zipfile.ZipFile(stream)
@@ -395,7 +249,7 @@ def _records(stream: IO[bytes]) -> dict[str, _Record]:
         directory, _, key = info.filename.rpartition("/")
         if not directory.endswith("/data") and directory != "data":
             continue
-        data_offset = _stored_at(stream, info)
+        data_offset = stored_at(stream, info)
         if data_offset is None:
             raise ValueError(f"torch.save wrote a zip record {info.filename} this writer cannot read")
         stream.seek(data_offset + info.file_size)
