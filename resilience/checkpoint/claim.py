@@ -250,8 +250,8 @@ class RootClaim:
             raise ConfigError(
                 f"{self.where()} already holds checkpoints of another run (steps {_steps_text(sorted(durable))}), and "
                 "this run starts fresh: its saves would overwrite those. Resume that run (Lightning: AutoResume() "
-                "or fit(ckpt_path='last'); Accelerate: resilience.resume()), or point local_root and durable_url "
-                "at a new directory"
+                "or fit(ckpt_path='last'); Fabric: resume(fabric, state); Accelerate: resilience.resume(); the "
+                "Trainer: train(resume_from_checkpoint=True)), or point local_root and durable_url at a new directory"
             )
         stamp = time.strftime("%Y%m%dT%H%M%S")
         folder = f"{SUPERSEDED_DIR}/run-{stamp}"
