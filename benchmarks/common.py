@@ -274,6 +274,31 @@ def paired_rounds(
     return fits
 
 
+def report_paired_rounds(
+    report: Report,
+    args: argparse.Namespace,
+    variants: Sequence[str],
+    fit: Callable[[str, Path, int, int], Sample],
+    *,
+    rival: str,
+    ours: Sequence[str],
+    no_saves: str,
+    notes: Sequence[str] = (),
+) -> None:
+    """:func:`paired_rounds` of ``fit(variant, scratch folder, steps, every)`` over ``args.every`` and
+    ``args.repeats`` rounds of ``args.steps`` steps, with the no-save run first, then :func:`report_added`."""
+    with scratch(args.dir, "added") as root:
+        fits = paired_rounds(
+            [no_saves, *variants],
+            args.every,
+            args.repeats,
+            args.steps,
+            lambda variant, steps, every: fit(variant, root, steps, every),
+        )
+    kept = [variant for variant in ours if variant in variants]
+    report_added(report, fits, steps=args.steps, no_saves=no_saves, floor="", rival=rival, ours=kept, notes=notes)
+
+
 def added_per_save(fits: Mapping[str, Sequence[Sample]], variant: str, no_saves: str, key: str) -> Stats:
     """Median [IQR] over rounds of (the variant's fit - the same round's no-save fit) / the variant's saves."""
     pairs = zip(fits[variant], fits[no_saves], strict=True)

@@ -196,3 +196,18 @@ def test_the_ranks_fabric_launch_starts_share_the_first_ranks_fork_server(
         assert os.environ[SHARE_VARIABLE] == ""
         fabric.strategy.launcher._call_children_scripts()  # what fabric.launch() runs first
     assert [env[SHARE_VARIABLE] for env in started] == [server.share]
+
+
+def test_the_strategy_teardown_ends_the_packs_background_work(tmp_path: Path) -> None:
+    """Fabric calls nothing at the end of a run; ``Strategy.teardown()``, which reaches the plugin, finishes the
+    last save and its file and stops what the saves started."""
+    before = set(threading.enumerate())
+    fabric = make_fabric(tmp_path / "ckpt", sync_names_below_mb=0)
+    state = training(fabric)
+    resume(fabric, state)
+    train(fabric, state, 2)
+    fabric.save(tmp_path / "last.pth", state)
+    fabric.strategy.teardown()
+    assert committed(tmp_path / "ckpt") == [2] and (tmp_path / "last.pth").is_file()
+    left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("resilience")]
+    assert not left, left

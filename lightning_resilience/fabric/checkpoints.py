@@ -25,6 +25,7 @@ so a resume never takes it for the training state.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -68,19 +69,25 @@ class FabricCheckpoints:
     process; the engine is made at the first save, load or callback set-up, on every rank together."""
 
     def __init__(self, strategy: Strategy, io: ResilientCheckpointIO) -> None:
-        self.strategy = strategy
+        self._strategy = weakref.ref(strategy)  # the strategy holds no reference to these: both go together
         self.io = io
         self.numbers = CheckpointNumbers()
         self.training_state: dict[str, Any] | None = None  # resume()'s dict: what the session saves by itself
         self.fabric: Any = None  # told by the pack's callbacks: the metrics go to its loggers
         self._sized_by: Mapping[str, Any] | None = None  # a state whose modules settle the engine's "auto" settings
-        self._counting: Any = None  # the hook counting the first optimizer's steps
+        self._counting = False  # whether the first optimizer's steps are counted
         self._manager: CheckpointManager | None = None
         self._names: NameWriter | None = None
         self._session: TrainingSession | None = None
         self._held: Restored | None = None  # resume()'s step, for the fabric.load that puts it in place
         self._boundary_steps = 0  # optimizer steps at the last step boundary
         self._last_number = 0  # the checkpoint number of the state in memory at the last boundary or load
+
+    @property
+    def strategy(self) -> Strategy:
+        strategy = self._strategy()
+        assert strategy is not None  # these are used only through their strategy's calls
+        return strategy
 
     # ---- the engine and the session ----------------------------------------------------------------------------
 
@@ -103,7 +110,7 @@ class FabricCheckpoints:
             self._manager = CheckpointManager(config, protected_steps=self._pending_names)
             self._names = repaired_writer(self._manager)
             # after the engine's own exit hook, so it runs first: the last names are written before the engine goes
-            threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]
+            threading._register_atexit(functools.partial(_end_at_exit, weakref.ref(self)))  # type: ignore[attr-defined]
         return self._manager
 
     def _settled(self) -> CheckpointConfig:
@@ -129,15 +136,13 @@ class FabricCheckpoints:
         """A state the user handed over: the first optimizer in it has its steps counted, and the first one with a
         module settles the engine's ``"auto"`` settings."""
         objects = _unwrap_objects(list(state.values()))
-        if self._counting is None:
-            optimizer = next((o for o in objects if isinstance(o, Optimizer)), None)
-            if optimizer is not None:
-                self._counting = optimizer.register_step_post_hook(self._count)
+        optimizer = next((o for o in objects if isinstance(o, Optimizer)), None)
+        if optimizer is not None and not self._counting:
+            self._counting = True
+            hook = optimizer.register_step_post_hook(functools.partial(_count, weakref.ref(self)))
+            weakref.finalize(self, hook.remove)
         if self._sized_by is None and any(isinstance(o, Module) for o in objects):
             self._sized_by = state
-
-    def _count(self, *_: Any) -> None:
-        self.numbers.optimizer_steps += 1
 
     # ---- save ------------------------------------------------------------------------------------------------
 
@@ -308,9 +313,22 @@ def called_by(io: ResilientCheckpointIO, caller: Any) -> FabricCheckpoints | Non
 
 def end_all(io: ResilientCheckpointIO) -> None:
     """The plugin's teardown (Fabric's ``Strategy.teardown`` calls it): the checkpoints it serves end their
-    session, and their engines rest."""
+    session and close their engines (a later save starts another)."""
     for checkpoints in [found for found in _OF.values() if found.io is io]:
-        checkpoints.end()
+        checkpoints.end(close=True)
+
+
+def _count(ref: weakref.ref[FabricCheckpoints], *_: Any) -> None:
+    """The counted optimizer stepped (its hook holds no reference to the checkpoints)."""
+    checkpoints = ref()
+    if checkpoints is not None:
+        checkpoints.numbers.optimizer_steps += 1
+
+
+def _end_at_exit(ref: weakref.ref[FabricCheckpoints]) -> None:
+    checkpoints = ref()
+    if checkpoints is not None:
+        checkpoints._at_exit()
 
 
 def _replicated(state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> tuple[str, ...]:
