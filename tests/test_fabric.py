@@ -174,6 +174,8 @@ def test_bad_input_is_refused_with_the_fix(tmp_path: Path) -> None:
 
     fabric = make_fabric(tmp_path / "ckpt")
     state = training(fabric)
+    with pytest.raises(FileNotFoundError, match=r"missing\.pth does not exist.*resume\(fabric, state\)"):
+        fabric.load(tmp_path / "missing.pth", state)
     train(fabric, state, 1)
     with pytest.raises(ConfigError, match=r"'/step_fn'.*only pickle can store.*allow_pickle=True"):
         fabric.save(tmp_path / "x.pth", {**state, "step_fn": threading.Lock})

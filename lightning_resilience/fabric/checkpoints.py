@@ -205,8 +205,13 @@ class FabricCheckpoints:
         held, self._held = self._held, None
         restored = held if held is not None and os.fspath(path) == held.path else None
         if restored is None:
-            # a name holds the whole dict its step was saved from: weights-only dicts make no step
-            step, plain = resolve(os.fspath(path), self._names, self.io.config, partial=lambda keys: False)
+            try:  # a name holds the whole dict its step was saved from: weights-only dicts make no step
+                step, plain = resolve(os.fspath(path), self._names, self.io.config, partial=lambda keys: False)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"Checkpoint {path} does not exist: pass a file fabric.save wrote (or any torch.save file), or "
+                    "call resume(fabric, state) for the newest committed checkpoint"
+                ) from None
             if plain is not None:
                 return TorchCheckpointIO().load_checkpoint(plain, weights_only=weights_only)
             restored = self.session.restore(step=step, per_rank=PER_RANK)
