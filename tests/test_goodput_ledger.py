@@ -219,3 +219,18 @@ def test_sigkill_then_resume_accounts_lost_progress(tmp_path: Path) -> None:
     start = json.loads(killed_file.read_text().splitlines()[0])
     assert start["t"] < start["ledger_t"] and killed.buckets["startup"] > 0
     assert resumed.downtime_before_s > 0 and summary.buckets["restore"] >= RESTORE_S
+
+
+def test_the_first_step_is_noted_once_per_incarnation_not_once_per_span(tmp_path: Path) -> None:
+    clock = FakeClock(1_000.0)
+    ledger = clock.ledger(tmp_path, span_s=5.0)
+    clock.now += 3.0
+    ledger.startup_done()
+    for step in range(11, 41):
+        clock.now += 1.0
+        ledger.step_end(step)
+    ledger.end()
+    assert ledger.path is not None
+    records, _ = read_events(ledger.path)
+    noted = [r for r in records if r["e"] == "first_step"]
+    assert [(r["step"], r["seconds"]) for r in noted] == [(11, 1.0)]

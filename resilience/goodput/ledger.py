@@ -132,6 +132,7 @@ class GoodputLedger:
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._started_at: float | None = None  # when startup_done was called
+        self._first_noted = False  # the incarnation's first step (a span's first step is reset every span)
         self._lock = threading.Lock()
         self._file: TextIO | None = None
         self._pending_fd: int | None = None
@@ -173,6 +174,8 @@ class GoodputLedger:
         self._residual = "other"
         if self._first_step is None:
             self._first_step = step
+        if not self._first_noted:
+            self._first_noted = True
             if self._started_at is not None:  # the first step of a (resumed) run: warm-up, compilation
                 self.note("first_step", step=step, seconds=round(now - self._started_at, 4))
         self._last_step = step
