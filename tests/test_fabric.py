@@ -5,9 +5,11 @@ user's ``torch.save`` file, a dict without an optimizer) stays Fabric's."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,9 +202,10 @@ def test_the_ranks_fabric_launch_starts_share_the_first_ranks_fork_server(
     assert [env[SHARE_VARIABLE] for env in started] == [server.share]
 
 
-def test_the_strategy_teardown_ends_the_packs_background_work(tmp_path: Path) -> None:
+def test_the_strategy_teardown_ends_the_packs_background_work_and_a_dropped_fabric_is_freed(tmp_path: Path) -> None:
     """Fabric calls nothing at the end of a run; ``Strategy.teardown()``, which reaches the plugin, finishes the
-    last save and its file and stops what the saves started."""
+    last save and its file and stops what the saves started. Nothing of the pack keeps the strategy (and with it
+    the engine's host buffers) alive once the script lets go of its Fabric."""
     before = set(threading.enumerate())
     fabric = make_fabric(tmp_path / "ckpt", sync_names_below_mb=0)
     state = training(fabric)
@@ -213,3 +216,7 @@ def test_the_strategy_teardown_ends_the_packs_background_work(tmp_path: Path) ->
     assert committed(tmp_path / "ckpt") == [2] and (tmp_path / "last.pth").is_file()
     left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith("resilience")]
     assert not left, left
+    strategy = weakref.ref(fabric.strategy)
+    del fabric, state
+    gc.collect()
+    assert strategy() is None

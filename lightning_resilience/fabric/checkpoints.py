@@ -60,7 +60,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PER_RANK = "each rank's RNG"
-_OF: weakref.WeakKeyDictionary[Strategy, FabricCheckpoints] = weakref.WeakKeyDictionary()
+# A strategy's checkpoints are an attribute of the strategy: they hold it (and the user's state, which holds it
+# too), so a mapping from strategies to them would keep every strategy alive, with its engine's host buffers.
+_ATTRIBUTE = "_resilient_checkpoints"
+_LIVE: weakref.WeakSet[FabricCheckpoints] = weakref.WeakSet()
 
 
 class FabricCheckpoints:
@@ -69,7 +72,7 @@ class FabricCheckpoints:
     process; the engine is made at the first save, load or callback set-up, on every rank together."""
 
     def __init__(self, strategy: Strategy, io: ResilientCheckpointIO) -> None:
-        self._strategy = weakref.ref(strategy)  # the strategy holds no reference to these: both go together
+        self.strategy = strategy
         self.io = io
         self.numbers = CheckpointNumbers()
         self.training_state: dict[str, Any] | None = None  # resume()'s dict: what the session saves by itself
@@ -82,12 +85,6 @@ class FabricCheckpoints:
         self._held: Restored | None = None  # resume()'s step, for the fabric.load that puts it in place
         self._boundary_steps = 0  # optimizer steps at the last step boundary
         self._last_number = 0  # the checkpoint number of the state in memory at the last boundary or load
-
-    @property
-    def strategy(self) -> Strategy:
-        strategy = self._strategy()
-        assert strategy is not None  # these are used only through their strategy's calls
-        return strategy
 
     # ---- the engine and the session ----------------------------------------------------------------------------
 
@@ -299,9 +296,11 @@ _NO_TRAINING_STATE = (
 
 def serve(strategy: Strategy, io: ResilientCheckpointIO) -> FabricCheckpoints:
     """The checkpoints of ``strategy``, made once; the pack's strategy calls it on every rank."""
-    found = _OF.get(strategy)
+    found: FabricCheckpoints | None = getattr(strategy, _ATTRIBUTE, None)
     if found is None or found.io is not io:
-        found = _OF[strategy] = FabricCheckpoints(strategy, io)
+        found = FabricCheckpoints(strategy, io)
+        setattr(strategy, _ATTRIBUTE, found)
+        _LIVE.add(found)
     return found
 
 
@@ -311,7 +310,7 @@ def called_by(io: ResilientCheckpointIO, caller: Any) -> FabricCheckpoints | Non
     None there, and ``io`` saves as for Lightning's (a plain file, with a warning)."""
     if not isinstance(caller, Strategy) or caller.checkpoint_io is not io:
         return None
-    if caller in _OF or not is_distributed():
+    if hasattr(caller, _ATTRIBUTE) or not is_distributed():
         return serve(caller, io)
     return None
 
@@ -319,7 +318,7 @@ def called_by(io: ResilientCheckpointIO, caller: Any) -> FabricCheckpoints | Non
 def end_all(io: ResilientCheckpointIO) -> None:
     """The plugin's teardown (Fabric's ``Strategy.teardown`` calls it): the checkpoints it serves end their
     session and close their engines (a later save starts another)."""
-    for checkpoints in [found for found in _OF.values() if found.io is io]:
+    for checkpoints in [found for found in _LIVE if found.io is io]:
         checkpoints.end(close=True)
 
 
