@@ -11,8 +11,10 @@ are read by ``torch.load`` with ``weights_only=True``, through :class:`~resilien
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from functools import partial
 from typing import IO, Any
 
 import torch
@@ -26,6 +28,7 @@ from torch.futures import Future
 
 from resilience import leaving
 from resilience.checkpoint import packing
+from resilience.checkpoint.hashed_read import Wanted, aligned_bytes, read_hashed, read_whole
 from resilience.checkpoint.packing import PackIndex
 from resilience.checkpoint.safe_reads import load_dcp_metadata, load_packs, load_skeleton
 from resilience.checkpoint.tree import TAG, flatten, tensor_keys, unflatten
@@ -39,10 +42,10 @@ from resilience.errors import (
     describe,
     interruption,
 )
-from resilience.persist.direct_io import ALIGN, THROUGH_BYTES, Window
+from resilience.persist.direct_io import THROUGH_BYTES, Window
 from resilience.persist.record_layout import stored_record
-from resilience.storage.catalog import Entry
-from resilience.storage.dcp_fs import LoadFileSystem, ReadCounter
+from resilience.storage.catalog import Entry, check_hashed
+from resilience.storage.dcp_fs import HASHED_AS_READ, LoadFileSystem, ReadCounter
 from resilience.storage.layout import STATE_FILE, rank_state_file
 from resilience.storage.manifest import Manifest
 
@@ -83,7 +86,8 @@ class _VerifiedReader(FileSystemReader):
         read: ReadCounter | None = None,
     ):
         super().__init__(entry.path)
-        self.fs = LoadFileSystem(entry, check=check_reads, read=read)  # type: ignore[assignment]
+        self.files = LoadFileSystem(entry, check=check_reads, read=read)
+        self.fs = self.files  # type: ignore[assignment]
         self.path = entry.path
         self._metadata = metadata
         self.adoptable = adoptable or {}
@@ -98,43 +102,71 @@ class _VerifiedReader(FileSystemReader):
             return super().read_data(plan, planner)  # DCP's own loop (stream transforms are its business)
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req, info in items:
+            if req.type != LoadItemType.TENSOR:  # the metadata check lets none through; never parse one
+                raise CorruptCheckpointError(f"{self.path}: {req.dest_index.fqn!r} is not a tensor entry")
             per_file.setdefault(info.relative_path, []).append((req, info))
         for relative_path, reqs in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for req, info in sorted(reqs, key=lambda pair: pair[1].offset):  # one pass through the file
-                    if req.type != LoadItemType.TENSOR:  # the metadata check lets none through; never parse one
-                        raise CorruptCheckpointError(f"{self.path}: {req.dest_index.fqn!r} is not a tensor entry")
-                    key = req.dest_index.fqn
-                    whole = self.adoptable.get(key)
-                    if any(req.dest_offsets) or any(req.storage_offsets):
-                        whole = None  # a piece of the tensor, copied into its target below
-                    loaded = None
-                    if whole is not None:
-                        loaded = _read_in_place(stream, info.offset, info.length, whole)  # type: ignore[arg-type]
-                    if loaded is None:
-                        stream.seek(info.offset)
-                        window = Window(stream, info.length)  # type: ignore[arg-type]
-                        loaded = torch.load(window, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
-                    if (
-                        whole is not None
-                        and tuple(req.lengths) == tuple(whole.shape) == tuple(loaded.shape)
-                        and loaded.dtype == whole.dtype
-                    ):
-                        self.adopted[key] = loaded
-                        continue
-                    piece = loaded
-                    for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                        piece = piece.narrow(dim, start, length)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != piece.size():
-                        raise CorruptCheckpointError(
-                            f"{self.path}: {key!r} holds {list(piece.size())} where {list(target.size())} is read"
-                        )
-                    target.copy_(piece)
-                    planner.commit_tensor(req, target)
+            reqs.sort(key=lambda pair: pair[1].offset)  # one pass through the file
+            self._read_file(self.fs.concat_path(self.path, relative_path), reqs, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_file(self, path: str | os.PathLike[str], reqs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        """One file's entries. A file this load must check, whose every tensor becomes memory of the loader's own,
+        is read once, in order, and hashed as it is (:mod:`~resilience.checkpoint.hashed_read`); any other is read
+        where each entry lies, once :class:`LoadFileSystem` has checked it if need be."""
+        wanted = [
+            Wanted(info.offset, info.length, like) for req, info in reqs if (like := self._whole(req)) is not None
+        ]
+        item = self.files.due(path)
+        if item is None or len(wanted) < len(reqs):  # nothing to check, or a caller's tensor (or a piece) to fill
+            with self.files.create_stream(path, "rb") as stream:
+                self._read_each(stream, reqs, planner)  # type: ignore[arg-type]
+            return
+        with self.files.create_stream(path, HASHED_AS_READ) as stream:
+            loaded = read_hashed(stream, item, wanted, partial(check_hashed, self.files.entry, item))  # type: ignore[arg-type]
+        for (req, _), tensor in zip(reqs, loaded, strict=True):
+            self._take(req, tensor, planner)
+
+    def _whole(self, req: ReadItem) -> torch.Tensor | None:
+        """The loader's own placeholder when ``req`` reads its tensor whole, to become what is read (None: a
+        piece of a tensor, or a caller's tensor, filled in place)."""
+        if any(req.dest_offsets) or any(req.storage_offsets):
+            return None
+        return self.adoptable.get(req.dest_index.fqn)
+
+    def _read_each(self, stream: IO[bytes], reqs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        """Each entry read where it lies (its file already checked, or not to be), and put in place at once."""
+        for req, info in reqs:
+            whole = self._whole(req)
+            loaded = _read_in_place(stream, info.offset, info.length, whole) if whole is not None else None
+            if loaded is None:
+                stream.seek(info.offset)
+                loaded = torch.load(Window(stream, info.length), map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+            self._take(req, loaded, planner)
+
+    def _take(self, req: ReadItem, loaded: torch.Tensor, planner: LoadPlanner) -> None:
+        """The tensor read for ``req`` becomes its target (:attr:`adopted`), or is copied into it."""
+        whole = self._whole(req)
+        key = req.dest_index.fqn
+        if (
+            whole is not None
+            and tuple(req.lengths) == tuple(whole.shape) == tuple(loaded.shape)
+            and loaded.dtype == whole.dtype
+        ):
+            self.adopted[key] = loaded
+            return
+        piece = loaded
+        for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+            piece = piece.narrow(dim, start, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != piece.size():
+            raise CorruptCheckpointError(
+                f"{self.path}: {key!r} holds {list(piece.size())} where {list(target.size())} is read"
+            )
+        target.copy_(piece)
+        planner.commit_tensor(req, target)
 
 
 def _read_in_place(stream: IO[bytes], offset: int, length: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -145,24 +177,17 @@ def _read_in_place(stream: IO[bytes], offset: int, length: int, like: torch.Tens
     ``torch.load`` allocates where its allocator likes, so past the page cache the bytes land in an aligned buffer
     first and are copied from there (on this project's 2-core VM, 1.6 GB read in 3.5 s that way and in 1.6 s
     straight). The record's place comes from its pickle, read with an allow-list that builds nothing
-    (:mod:`resilience.persist.record_layout`). The memory is a little larger than the tensor (up to a block)."""
+    (:mod:`resilience.persist.record_layout`)."""
     if like.nbytes < THROUGH_BYTES:
         return None
     found = stored_record(stream, offset, length, tuple(like.shape), like.dtype)
     if found is None:
         return None
     start, nbytes, _ = found
-    memory = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -memory.data_ptr() % ALIGN
-    view = memory.numpy().data[skip : skip + nbytes]
+    memory, view = aligned_bytes(nbytes)
     stream.seek(start)
-    got = 0
-    while got < nbytes:
-        count = stream.readinto(view[got:])  # type: ignore[attr-defined]
-        if not count:
-            raise EOFError(f"an entry's record ends {nbytes - got} bytes early")
-        got += count
-    return memory[skip : skip + nbytes].view(like.dtype).view(like.shape)
+    read_whole(stream, view)
+    return memory.view(like.dtype).view(like.shape)
 
 
 @dataclass

@@ -197,6 +197,11 @@ def check_file(entry: Entry, item: FileEntry, copy_to: IO[bytes] | None = None) 
     bytes checked are also written there as they are read."""
     with entry.tier.open(f"{entry.path}/{item.path}") as stream:
         digest, size = hash_stream(stream, copy_to)
+    check_hashed(entry, item, digest, size)
+
+
+def check_hashed(entry: Entry, item: FileEntry, digest: str, size: int) -> None:
+    """The checksum and length of a file's bytes as read match the manifest, or :class:`CorruptCheckpointError`."""
     if size != item.size:
         raise _corrupt(entry, item, f"reads {size} bytes, the manifest says {item.size}")
     if digest != item.xxh3_64:

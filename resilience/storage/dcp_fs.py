@@ -147,6 +147,7 @@ class LocalCopy:
         return size == item.size and digest == item.xxh3_64
 
 
+HASHED_AS_READ = "rb, hashed as read"  # LoadFileSystem.create_stream's mode for a reader that checks as it reads
 SPOOL_BYTES = 64 << 20  # a checked copy stays in memory up to this size, then goes to a temporary file
 
 
@@ -258,18 +259,37 @@ class LoadFileSystem(TierFileSystem):
 
     @contextmanager
     def create_stream(self, path: PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "rb":
+        """``mode`` ``"rb"``: the file as the class says. :data:`HASHED_AS_READ`: a file :meth:`due` names, from the
+        tier and not checked first, for a reader that hashes every byte as it reads it and compares the sum with the
+        manifest before it uses any (:mod:`resilience.checkpoint.hashed_read`)."""
+        if mode not in ("rb", HASHED_AS_READ):
             raise ValueError("checkpoint tiers are opened read-only while loading")
         entry = self.entry
-        name = os.fspath(path).removeprefix(f"{entry.path}/")
+        name = self._name(path)
         opened: Any = entry.near.open(name) if entry.near is not None else None
-        check = self.check or (entry.near is not None and entry.near.vouched_for(name))
-        if opened is None and check and (item := entry.manifest.file(name)) is not None:  # type: ignore[union-attr]
+        if opened is None and mode == "rb" and (item := self._check_due(name)) is not None:
             opened = _checked_copy(entry, item)
         elif opened is None:
             opened = self.tier.open(os.fspath(path))
         with opened as stream:
             yield stream if self.read is None else _Counted(stream, self.read)
+
+    def due(self, path: PathLike) -> FileEntry | None:
+        """The manifest entry that the tier's copy of ``path`` must be checked against as this load reads it; None
+        when it is read nearer (checked there), or unchecked."""
+        name = self._name(path)
+        if self.entry.near is not None and self.entry.near.holds(name):
+            return None
+        return self._check_due(name)
+
+    def _check_due(self, name: str) -> FileEntry | None:
+        near = self.entry.near
+        if self.check or (near is not None and near.vouched_for(name)):
+            return self.entry.manifest.file(name)  # type: ignore[union-attr]
+        return None
+
+    def _name(self, path: PathLike) -> str:
+        return os.fspath(path).removeprefix(f"{self.entry.path}/")
 
     def rename(self, path: PathLike, new_path: PathLike) -> None:
         raise NotImplementedError
