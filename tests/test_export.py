@@ -404,6 +404,25 @@ def test_only_the_temporary_files_of_dead_writers_are_removed(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (name, live, other))
 
 
+def test_the_half_built_folders_of_dead_writers_are_removed(tmp_path: Path) -> None:
+    """A folder name (a Trainer's checkpoint-N, Accelerate's checkpoint_<i>) is built in a temporary folder: a writer
+    killed mid-folder leaves one, which the next start removes (it raised IsADirectoryError there before). The
+    earlier folder a replacement set aside (``.old``) is a whole checkpoint, and stays."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    name = tmp_path / "checkpoint-6"
+    dead, live, aside = (
+        tmp_path / f".checkpoint-6.tmp-{gone.pid}-0123abcd",
+        tmp_path / f".checkpoint-6.tmp-{os.getpid()}-0123abcd",
+        tmp_path / f".checkpoint-6.tmp-{gone.pid}-4567abcd.old",
+    )
+    for path in (dead, live, aside):
+        path.mkdir()
+        (path / "optimizer.pt").write_bytes(b"x")
+    assert remove_stale_temporaries(str(name)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, aside))
+
+
 def test_export_progress_counts_every_tensor_byte(tmp_path: Path) -> None:
     """``--progress`` printed "0 B" for a whole export: tensors copied from the shard files as they are were not
     counted, and the first report came before anything was read. It ends at the size the export reports."""

@@ -10,12 +10,14 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from accelerate_resilience import ResiliencePlugin
 from accelerate_resilience.transformers import attach_trainer
@@ -59,7 +61,9 @@ def run(reference: tuple[Path, str], tmp_path: Path) -> Path:
 def test_saves_are_committed_by_the_engine_and_rotated_by_save_total_limit(reference: tuple[Path, str]) -> None:
     out, _ = reference
     assert committed(out) == [9, 12, 14], "save_total_limit=3 keeps the three newest"
-    assert not list(out.glob("checkpoint-*")), "the Trainer's own synchronous save did not run"
+    names = json.loads((out / "resilience" / "names.json").read_text())["names"]
+    made = sorted(Path(name["path"]).name for name in names)
+    assert made == sorted(p.name for p in out.glob("checkpoint-*")), "each folder is the pack's, not the Trainer's save"
 
 
 def test_without_save_total_limit_every_checkpoint_is_kept_as_the_trainer_keeps_its_folders(tmp_path: Path) -> None:
@@ -87,8 +91,8 @@ def test_resume_true_from_the_newest_that_verifies_ends_with_the_uninterrupted_w
 def test_resume_from_a_named_step_ends_with_the_uninterrupted_weights(
     run: Path, reference: tuple[Path, str], path: str
 ) -> None:
-    """A step of the pack's named by its folder, or by the checkpoint-N folder the Trainer would have written: step
-    9 is in epoch 1 (6 steps an epoch), 12 at an epoch's end; both resume with the batches, RNG and schedule."""
+    """A step of the pack's named by its folder, or by the checkpoint-N folder made from it: step 9 is in epoch 1
+    (6 steps an epoch), 12 at an epoch's end; both resume with the batches, RNG and schedule."""
     trainer = trainer_in(run)
     trainer.train(resume_from_checkpoint=str(run / path))
     assert weights_digest(trainer.model) == reference[1]
@@ -121,15 +125,18 @@ def test_a_fresh_start_sets_the_earlier_run_aside(run: Path, reference: tuple[Pa
 
 def test_the_best_checkpoint_outlives_rotation_and_is_loaded_at_the_end(tmp_path: Path) -> None:
     """``greater_is_better`` on the eval loss makes the first evaluation the best: rotation keeps it beside the
-    newest two, and ``load_best_model_at_end`` loads its verified weights."""
+    newest two, its folder beside the newest one (the Trainer's rotation of ``save_total_limit=2``), and
+    ``load_best_model_at_end`` loads its verified weights."""
     out = tmp_path / "out"
     settings = {"eval_strategy": "steps", "eval_steps": EVERY, "load_best_model_at_end": True}
     settings |= {"metric_for_best_model": "loss", "greater_is_better": True, "save_total_limit": 2}
     trainer = trainer_in(out, eval_samples=16, **settings)
     trainer.train()
     assert trainer.state.best_global_step == EVERY
-    assert trainer.state.best_model_checkpoint == str(out / "resilience" / f"step-{EVERY}")
+    assert trainer.state.best_model_checkpoint == str(out / f"checkpoint-{EVERY}")
     assert committed(out) == [EVERY, 12, 14]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-14", f"checkpoint-{EVERY}"]
+    folder = load_file(out / f"checkpoint-{EVERY}" / "model.safetensors")
     manager = CheckpointManager(CheckpointConfig(local_root=str(out / "resilience"), persist="thread"))
     try:
         best = manager.load(step=EVERY, rank_state=False)
@@ -138,6 +145,7 @@ def test_the_best_checkpoint_outlives_rotation_and_is_loaded_at_the_end(tmp_path
     assert best is not None
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, best.state["model"][name]), name
+        assert name not in folder or torch.equal(tensor, folder[name]), name  # lm_head.weight is tied, not saved
 
 
 @pytest.mark.parametrize("setting", ["save_only_model", "push_to_hub"])

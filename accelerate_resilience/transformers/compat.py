@@ -2,7 +2,8 @@
 
 The Trainer has no checkpoint plugin: its save (``_save_checkpoint``), its step boundary
 (``_maybe_log_save_evaluate``) and two of its resume steps (``_load_from_checkpoint``, ``_load_rng_state``) are
-private methods, and what it writes as ``trainer_state.json`` is built inside ``_save_checkpoint``. Checked against
+private methods, and what it writes as ``trainer_state.json`` is built inside ``_save_checkpoint``. What its
+``checkpoint-N`` folders hold beside that comes from ``_save`` and ``save_pretrained``'s internals. Checked against
 transformers 5.25.0, the version the tests run, and 5.13, the lowest stated (``make test-floors``). If a release
 renames one of them, this module is the only place to change.
 """
@@ -10,15 +11,23 @@ renames one of them, this module is the only place to change.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import os
+import re
+import tempfile
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainerControl, TrainerState
+from transformers import PreTrainedModel, Trainer, TrainerControl, TrainerState
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, get_last_checkpoint
+from transformers.training_args import ParallelMode
+from transformers.utils.hub import convert_file_size_to_int
 
 from resilience.errors import ConfigError
 
@@ -28,6 +37,8 @@ ROUTED = ("train", "_save_checkpoint", "_maybe_log_save_evaluate", "_load_from_c
 # ``_load_best_model`` as well, where the Trainer tracks a best model
 BEST_MODEL = "_load_best_model"
 __all__ = ["TRAINER_STATE_NAME"]  # where the Trainer reads a checkpoint's state (its folder's one file it reads)
+# the weight files of a save (save_pretrained's, its shards and index, a PEFT adapter's): a folder's come from the step
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model|adapter_model)([-.].*)?\.(safetensors|bin)(\.index\.json)?")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA, DistributedType.FSDP)
 
 
@@ -129,3 +140,67 @@ def step_loop_objects(trainer: Trainer) -> dict[str, Any]:
         "scheduler": trainer.lr_scheduler,
         "scaler": getattr(trainer.accelerator, "scaler", None),
     }
+
+
+# ---- what a checkpoint-N folder holds, as the Trainer's own save writes it ------------------------------------------
+
+
+def saved_weights(model: torch.nn.Module) -> list[list[str]]:
+    """The weights the Trainer's save writes, as [name in the file, name in ``model.state_dict()``], in order.
+
+    A ``PreTrainedModel`` is saved by ``save_pretrained``: without its ``_keys_to_ignore_on_save``, without the tied
+    copies (``lm_head.weight`` beside the embedding), under the names its weight conversion reverts to. Any other
+    model's whole state dict goes to ``model.safetensors``. Raises ConfigError where the folder could not hold what
+    the Trainer writes: a PEFT adapter, a quantized model, or a conversion that computes new tensors.
+    """
+    state = model.state_dict()
+    if not isinstance(model, PreTrainedModel):
+        return [[name, name] for name in state]
+    if getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None:
+        raise ConfigError("the Trainer saves this model's adapter or quantized weights in a format of its own")
+    for ignored in model._keys_to_ignore_on_save or []:
+        state.pop(ignored, None)
+    kept = remove_tied_weights_from_state_dict(state, model)
+    shapes = {name: torch.empty_like(value, device="meta") for name, value in kept.items()}
+    source = {id(value): name for name, value in shapes.items()}
+    reverted = revert_weight_conversion(model, dict(shapes))
+    if any(id(value) not in source for value in reverted.values()):
+        raise ConfigError("save_pretrained converts this model's weights into new tensors when it saves them")
+    return [[name, source[id(value)]] for name, value in reverted.items()]
+
+
+def max_shard_bytes(model: torch.nn.Module) -> int | None:
+    """``save_pretrained``'s default shard size for a ``PreTrainedModel``; None (one file) for any other model."""
+    if not isinstance(model, PreTrainedModel):
+        return None
+    return int(convert_file_size_to_int(inspect.signature(model.save_pretrained).parameters["max_shard_size"].default))
+
+
+def side_files(trainer: Trainer) -> dict[str, bytes]:
+    """What the Trainer's save writes beside the weights (``config.json``, ``generation_config.json``, the
+    tokenizer's files, ``training_args.bin``): its own ``_save`` into a scratch folder with no weights, read back."""
+    with tempfile.TemporaryDirectory(prefix="resilience-trainer-files-") as scratch:
+        trainer._save(scratch, state_dict={})
+        files = {}
+        for name in sorted(os.listdir(scratch)):
+            path = os.path.join(scratch, name)
+            if os.path.isfile(path) and not _WEIGHT_FILE.fullmatch(name):
+                with open(path, "rb") as stream:
+                    files[name] = stream.read()
+        return files
+
+
+def rng_devices(trainer: Trainer) -> str | int | None:
+    """Which CUDA RNG state ``Trainer._save_rng_state`` keeps: every device's under DDP ("all"), else the current
+    device's (its index); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return "all" if trainer.args.parallel_mode == ParallelMode.DISTRIBUTED else torch.cuda.current_device()
+
+
+def checkpoint_step(folder: str) -> int:
+    """The global step of a checkpoint folder, from its ``trainer_state.json`` (0 when it has none)."""
+    try:
+        return int(TrainerState.load_from_json(os.path.join(folder, TRAINER_STATE_NAME)).global_step)
+    except (OSError, ValueError, TypeError):
+        return 0

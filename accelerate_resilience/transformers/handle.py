@@ -7,7 +7,8 @@ Trainer given, and a :class:`ResilienceCallback` drives the engine's
 :class:`~resilience.session.TrainingSession` from the Trainer's events. What the Trainer decides stays the
 Trainer's: when to save (``save_steps``, ``save_strategy``), which batches a resumed run skips (from the global
 step, as for its own checkpoints) and when the RNG streams come back. The pack decides where the bytes go: every
-save asynchronous, committed by a manifest, verified at resume. See ``docs/TRANSFORMERS.md``.
+save asynchronous, committed by a manifest, verified at resume; the Trainer's ``checkpoint-N`` folders are made
+from the committed steps (:mod:`accelerate_resilience.transformers.folders`). See ``docs/TRANSFORMERS.md``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.trainer_utils import TrainOutput
 from accelerate_resilience import compat as accelerate_compat
 from accelerate_resilience.plugin import ResiliencePlugin
 from accelerate_resilience.transformers import compat
+from accelerate_resilience.transformers.folders import TrainerFolders
 from resilience.checkpoint.loader import Restored
 from resilience.checkpoint.manager import CheckpointManager
 from resilience.checkpoint.rng import capture_rng, restore_rng
@@ -108,6 +110,7 @@ class TrainerResilience:
         self.run_dir = os.fspath(plugin.run_dir or compat.output_dir(trainer))
         self.session: TrainingSession | None = None
         self.manager: CheckpointManager | None = None
+        self._folders: TrainerFolders | None = None
         self._resumed: _Resumed | None = None
         self._own = {name: getattr(trainer, name) for name in (*compat.ROUTED, compat.BEST_MODEL)}
         print_to_stderr(rank_zero)
@@ -132,6 +135,7 @@ class TrainerResilience:
         session = self._open()
         try:
             folder = self._restore(session, resume_from_checkpoint)
+            self._checkpoint_folders().check_free(self._resumed.restored.step if self._resumed else self._start(folder))
             if self._resumed is not None and compat.finished(self.trainer, self._resumed.restored.step):
                 output = self._nothing_left(session, self._resumed.restored)
             else:
@@ -144,8 +148,16 @@ class TrainerResilience:
             self._forget_resumed()
         if session.stopping is not None:
             session.exit()  # the stop's code, once the Trainer's own end of training ran
-        session.end()
+        try:
+            self._checkpoint_folders().settle()  # every folder there before train() returns, as the Trainer's own are
+        finally:
+            session.end()
         return output
+
+    @staticmethod
+    def _start(folder: str | None) -> int:
+        """The step a run resumed from the Trainer's own folder ``folder`` starts at (0: from the start)."""
+        return compat.checkpoint_step(folder) if folder is not None else 0
 
     def _nothing_left(self, session: TrainingSession, restored: Restored) -> TrainOutput:
         """A run resumed at its ``max_steps``: the Trainer would train one step more (its loop checks the step count
@@ -170,6 +182,7 @@ class TrainerResilience:
         if config.persist == "thread":
             stop_early_server()
         self.manager = CheckpointManager(barrier_for(config, [model]), protected_steps=self._protected)
+        self._folders = TrainerFolders(trainer, self.manager)
         session = TrainingSession(
             self.manager, self._state, is_main=args.process_index == 0, boundary=self._boundary_snapshot
         )
@@ -180,9 +193,11 @@ class TrainerResilience:
         return session
 
     def _protected(self) -> set[int]:
-        """Retention keeps the best checkpoint, as the Trainer's own rotation does."""
+        """Retention keeps the best checkpoint, as the Trainer's own rotation does, and the steps whose folders are
+        still to be written."""
         best = self.trainer.state.best_global_step
-        return {best} if best else set()
+        pending = self._folders.pending_steps() if self._folders is not None else set()
+        return pending | ({best} if best else set())
 
     def _begin(self) -> None:
         """Training begins (``on_train_begin``: optimizer and scheduler made and prepared): the resumed state in
@@ -190,6 +205,7 @@ class TrainerResilience:
         session = self.session
         if session is None or session.started:
             return
+        self._checkpoint_folders().prepare()
         resumed = self._resumed
         if resumed is not None and not resumed.in_place:
             self._load_loop_state(resumed.restored)
@@ -202,14 +218,17 @@ class TrainerResilience:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's save, in the background: every rank stages its part, and the engine writes, commits and
-        rotates (``save_total_limit``) while training goes on. Collective, as the Trainer's own is."""
-        session = self._session()
+        rotates (``save_total_limit``) while training goes on; then rank 0 makes its ``checkpoint-N`` folder.
+        Collective, as the Trainer's own is."""
+        session, folders = self._session(), self._checkpoint_folders()
         trainer = self.trainer
         if compat.tracks_best(trainer):
             best = trainer.state.best_global_step
             if best == trainer.state.global_step or best in session.manager.committed_steps():
-                trainer.state.best_model_checkpoint = self.step_path(best)
-        session.save(trainer.state.global_step)
+                trainer.state.best_model_checkpoint = folders.path(best) if folders.enabled else self.step_path(best)
+        handle = session.save(trainer.state.global_step)
+        if handle is not None:
+            folders.name(handle)
 
     def _state(self, step: int) -> SaveState:
         """What a save holds (the session's state builder, on every rank at once): the flops counted so far go into
@@ -222,6 +241,7 @@ class TrainerResilience:
         (weights, optimizer, scheduler, scaler, ``trainer_state.json``) when it is saved, from the live objects."""
         trainer = self.trainer
         rank_state = {"rng_streams": capture_rng(), "sampler_seed": self._sampler_seed()}
+        rank_state.update(self._checkpoint_folders().rank_state())  # rank 0: what its folder holds beside the step
 
         def shared() -> SaveState:
             loop = compat.step_loop_objects(trainer)
@@ -254,7 +274,8 @@ class TrainerResilience:
             compat.stop_control(self.trainer.control)
 
     def step_path(self, step: int) -> str:
-        """Where checkpoint ``step`` lies in the local tier (``trainer.state.best_model_checkpoint`` names it)."""
+        """Where checkpoint ``step`` lies in the local tier (``trainer.state.best_model_checkpoint`` names it where
+        no folder is written)."""
         return os.path.join(self._session().manager.local.root, step_dirname(step))
 
     # ---- resume -------------------------------------------------------------------------------------------------
@@ -286,14 +307,16 @@ class TrainerResilience:
         return folder
 
     def _pack_step(self, path: str) -> int | None:
-        """The step a ``<local_root>/step-N`` path names, or an ``<output_dir>/checkpoint-N`` that the Trainer did not
-        write (where it would have, had the pack not saved step N instead); None for any other path."""
+        """The step a ``<local_root>/step-N`` path names, or an ``<output_dir>/checkpoint-N`` folder the pack made
+        from a step it still holds, or one not there (where the pack saved step N); None for any other path (the
+        Trainer loads it as its own). Collective."""
         path = os.path.normpath(path)
         folder, name = os.path.split(path)
         if same_path(folder, self._session().manager.local.root):
             return parse_step_dirname(name)
-        if same_path(folder, compat.output_dir(self.trainer)) and not os.path.isdir(path):
-            return compat.stock_step(name)
+        if same_path(folder, compat.output_dir(self.trainer)):
+            step = self._checkpoint_folders().step_of(path)
+            return compat.stock_step(name) if step is None and not os.path.isdir(path) else step
         return None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -334,7 +357,9 @@ class TrainerResilience:
         """``load_best_model_at_end``: the best step's weights, verified, from the pack's checkpoint (not after a
         stop: the process is about to exit)."""
         session, trainer = self._session(), self.trainer
-        best = parse_step_dirname(trainer.state.best_model_checkpoint or "")
+        path = trainer.state.best_model_checkpoint or ""
+        in_folder = compat.stock_step(os.path.basename(path)) is not None  # a checkpoint-N folder, else a step-N
+        best = self._checkpoint_folders().step_of(path) if in_folder else parse_step_dirname(path)
         if best is None:
             return self._own[compat.BEST_MODEL]()
         if session.stopping is not None:
@@ -391,6 +416,11 @@ class TrainerResilience:
         if self.session is None:
             raise ConfigError("the pack saves and loads only inside trainer.train()")
         return self.session
+
+    def _checkpoint_folders(self) -> TrainerFolders:
+        if self._folders is None:
+            raise ConfigError("the pack saves and loads only inside trainer.train()")
+        return self._folders
 
     def _check_open(self) -> None:
         if self._closed:

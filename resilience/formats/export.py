@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -417,10 +418,11 @@ def write_file_atomically(
 
 def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[str]:
     """Delete the temporary files :func:`atomic_output` left beside local ``path`` in processes that are gone (a
-    writer killed mid-file leaves its temporary file, never a partial ``path``); returns what it deleted.
+    writer killed mid-file leaves its temporary file, never a partial ``path``), and the half-built folders of a
+    folder name (``lightning_sharded.folder_in_place``); returns what it deleted.
 
-    Only files of this module's pattern whose process id no process on this host has now are touched: a
-    temporary file of a writer still running stays."""
+    Only files of these patterns whose process id no process on this host has now are touched: a temporary file
+    of a writer still running stays."""
     text = os.fspath(path)
     if "://" in text and not text.startswith("file://"):
         return []
@@ -434,7 +436,10 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[str]:
             if found is None or _alive(int(found.group(1))):
                 continue
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(entry.path)
     return removed
 

@@ -13,7 +13,8 @@ the state in memory, and seldom reads back what was just written (its files went
 
 Under a sharded strategy a name is instead Lightning's sharded checkpoint directory, made from the committed
 step without writing its tensors again (:mod:`resilience.formats.lightning_sharded`); for Accelerate's automatic
-checkpoint naming, the folder its ``save_state`` writes (:mod:`resilience.formats.accelerate_folder`).
+checkpoint naming, the folder its ``save_state`` writes (:mod:`resilience.formats.accelerate_folder`); for the Hugging
+Face Trainer, its ``checkpoint-<N>`` folder (:mod:`resilience.formats.trainer_folder`).
 
 Names are recorded in ``<local_root>/names.json`` (path, step, what was asked for), so that a name still being
 written is waited for by a load, a name whose process died before writing it is written at the next start,
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from resilience.checkpoint.save_handle import SaveHandle
 from resilience.checkpoint.staging import Loan
-from resilience.formats import accelerate_folder
+from resilience.formats import accelerate_folder, trainer_folder
 from resilience.formats.export import METADATA_KEY, remove_stale_temporaries, write_file_atomically, write_name
 from resilience.formats.lightning_ckpt import is_weights_only
 from resilience.formats.lightning_sharded import remove_name, write_sharded_name
@@ -55,7 +56,12 @@ log = logging.getLogger(__name__)
 REGISTRY = "names.json"
 FILE = "file"  # a name's layout: one Lightning checkpoint file
 SHARDED = "sharded"  # Lightning's sharded checkpoint directory (DCP files and meta.pt)
-# and Accelerate's save_state folders: accelerate_folder.SAFETENSORS, accelerate_folder.PICKLED
+# and folders made from a step, by layout: Accelerate's save_state folders, the Trainer's checkpoint-N
+FOLDERS: dict[str, Callable[..., None]] = {
+    accelerate_folder.SAFETENSORS: functools.partial(accelerate_folder.write_accelerate_folder, safetensors=True),
+    accelerate_folder.PICKLED: functools.partial(accelerate_folder.write_accelerate_folder, safetensors=False),
+    trainer_folder.LAYOUT: trainer_folder.write_trainer_folder,
+}
 
 # A name meaning "the newest committed checkpoint that verifies" (AutoResume's). A JSON file, named as one: a
 # ".ckpt" name made users try torch.load on it. Roots written before keep their "resume.ckpt", still read as one.
@@ -255,13 +261,12 @@ class NameWriter:
                     extra=extra,
                 )
             else:
-                if name.layout in (accelerate_folder.SAFETENSORS, accelerate_folder.PICKLED):
+                if name.layout in FOLDERS:
                     write = functools.partial(
-                        accelerate_folder.write_accelerate_folder,
+                        FOLDERS[name.layout],
                         self.local,
                         name.step,
                         name.path,
-                        safetensors=name.layout == accelerate_folder.SAFETENSORS,
                         verify=not fresh,
                         allow_pickle=allow_pickle,
                     )
