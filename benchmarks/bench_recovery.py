@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,13 +97,22 @@ def worker(args: argparse.Namespace) -> None:
     model = Sleepy(width_for(args.size_gb))
     data = loader(model, args.steps)
     if args.worker == LIGHTNING:
-        names = ModelCheckpoint(dirpath=root / "names", every_n_train_steps=args.every, save_last=True)
-        run = trainer(args.steps, root, devices=2, strategy="ddp", callbacks=[names, Marks()])
-        run.fit(model, data, ckpt_path="last")
+        names = [ModelCheckpoint(dirpath=root / "names", every_n_train_steps=args.every, save_last=True)]
+        names = [] if args.no_saves else names
+        run = trainer(args.steps, root, devices=2, strategy="ddp", callbacks=[*names, Marks()])
+        run.fit(model, data, ckpt_path=None if args.no_saves else "last")
         return
-    from lightning_resilience import AutoResume, GoodputMonitor, PeriodicCheckpoint, ResilientCheckpointIO
+    from lightning_resilience import (
+        AutoResume,
+        GoodputMonitor,
+        HealthGuardCallback,
+        PeriodicCheckpoint,
+        ResilientCheckpointIO,
+    )
 
-    callbacks = [PeriodicCheckpoint(every_n_steps=args.every), AutoResume(), GoodputMonitor(), Marks()]
+    callbacks: list[pl.Callback] = [AutoResume(), GoodputMonitor(), Marks()]
+    callbacks += [] if args.no_saves else [PeriodicCheckpoint(every_n_steps=args.every)]
+    callbacks += [HealthGuardCallback()] if args.health else []
     io = ResilientCheckpointIO(str(root / "ckpt"))
     run = trainer(args.steps, root, devices=2, strategy="resilient_ddp", plugins=[io], callbacks=callbacks)
     run.fit(model, data)
@@ -111,8 +121,16 @@ def worker(args: argparse.Namespace) -> None:
 class Job:
     """One variant's run to its last step: launched (again after each failure), killed on a schedule."""
 
-    def __init__(self, variant: str, root: Path, args: argparse.Namespace, fail_at: int | None = None):
+    def __init__(
+        self,
+        variant: str,
+        root: Path,
+        args: argparse.Namespace,
+        fail_at: int | None = None,
+        extra: Sequence[str] = (),
+    ):
         self.variant, self.root, self.args, self.fail_at = variant, root, args, fail_at
+        self.extra = list(extra)  # more worker arguments (--health, --no-saves)
         self.proc: subprocess.Popen[bytes] | None = None
         self.launches = 0
 
@@ -129,6 +147,7 @@ class Job:
         ]
         if first and self.fail_at is not None:
             worker += ["--fail-at", str(self.fail_at)]
+        worker += self.extra
         if self.variant == IN_PLACE:
             return [
                 sys.executable,
@@ -251,6 +270,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--worker", choices=("ours", LIGHTNING), help=argparse.SUPPRESS)
     p.add_argument("--fail-at", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--health", action="store_true", help=argparse.SUPPRESS)  # ours: HealthGuardCallback too
+    p.add_argument("--no-saves", action="store_true", help=argparse.SUPPRESS)  # neither saves nor resumes
     args = p.parse_args()
     setup_torch(args.threads)
     if args.worker:
