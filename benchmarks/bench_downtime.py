@@ -31,8 +31,6 @@ import os
 import random
 import signal
 import subprocess
-import threading
-import time
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -83,29 +81,13 @@ def faulty_run(way: str, parent: Path, args: argparse.Namespace, schedule: list[
     root.mkdir()
     extra = ["--no-saves"] if schedule is None else (["--health"] if way == OURS else [])
     job = FaultyJob(WAYS[way], root, args, extra=extra)
-    delivered: list[tuple[str, float]] = []
-    done = threading.Event()
+    kinds = [PREEMPTION if index % 2 == 0 else CRASH for index in range(len(schedule or []))]
 
-    def deliver() -> None:
-        began = time.time()
-        for index, at in enumerate(schedule or []):
-            kind = PREEMPTION if index % 2 == 0 else CRASH
-            while time.time() - began < at:
-                if done.wait(0.05):
-                    return
-            while not done.is_set():
-                if job.preempt(args.kill_after_s) if kind == PREEMPTION else job.crash():
-                    delivered.append((kind, time.time() - began))
-                    break
-                time.sleep(0.2)  # not training now (starting up): soon
+    def fault(index: int) -> bool:
+        return job.preempt(args.kill_after_s) if kinds[index] == PREEMPTION else job.crash()
 
-    thread = threading.Thread(target=deliver, daemon=True)
-    thread.start()
-    try:
-        wall = job.run(bound_s=args.bound_s)
-    finally:
-        done.set()
-        thread.join()
+    wall, struck = job.run_with_faults(schedule or [], args.bound_s, fault)
+    delivered = [(kinds[index], at) for index, at in struck]
     return {"wall_s": wall, "faults": delivered, "launches": job.launches, "root": root}
 
 

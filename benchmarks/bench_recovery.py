@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,36 @@ class Job:
             if time.time() - started > bound_s:
                 raise RuntimeError(f"{self.variant}: not done in {bound_s:.0f} s; see {self.root}")
 
+    def run_with_faults(
+        self, schedule: Sequence[float], bound_s: float, fault: Callable[[int], bool]
+    ) -> tuple[float, list[tuple[int, float]]]:
+        """:meth:`run`, with ``fault(index)`` called at each time of ``schedule`` (seconds from the start), again
+        every 0.2 s until it says it struck (the job is starting up meanwhile); the wall time and when each fault
+        struck."""
+        struck: list[tuple[int, float]] = []
+        done = threading.Event()
+
+        def deliver() -> None:
+            began = time.time()
+            for index, at in enumerate(schedule):
+                while time.time() - began < at:
+                    if done.wait(0.05):
+                        return
+                while not done.is_set():
+                    if fault(index):
+                        struck.append((index, time.time() - began))
+                        break
+                    time.sleep(0.2)
+
+        thread = threading.Thread(target=deliver, daemon=True)
+        thread.start()
+        try:
+            wall = self.run(bound_s=bound_s)
+        finally:
+            done.set()
+            thread.join()
+        return wall, struck
+
     def kill_rank_1(self) -> bool:
         """SIGKILL rank 1's current process, if the job is training; whether it was."""
         try:
@@ -236,26 +266,7 @@ def goodput_run(variant: str, parent: Path, args: argparse.Namespace, schedule: 
     root = parent / f"goodput-{variant.replace(' ', '-')}-{'failures' if schedule else 'clean'}"
     root.mkdir()
     job = Job(variant, root, args)
-    kills: list[float] = []
-    done = threading.Event()
-
-    def killer() -> None:
-        began = time.time()
-        for at in schedule or []:
-            while time.time() - began < at:
-                if done.wait(0.05):
-                    return
-            while not done.is_set() and not job.kill_rank_1():  # not training now (starting up): soon
-                time.sleep(0.2)
-            kills.append(time.time() - began)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        wall = job.run(bound_s=args.bound_s)
-    finally:
-        done.set()
-        thread.join()
+    wall, kills = job.run_with_faults(schedule or [], args.bound_s, lambda index: job.kill_rank_1())
     return {"wall_s": wall, "kills": len(kills), "launches": job.launches}
 
 
