@@ -222,7 +222,8 @@ def test_sigkill_and_relaunch_show_in_the_ledger_with_lost_progress(
             assert time.monotonic() < deadline, "no step past a committed checkpoint in time"
             # The ledger first, the commits after: read the other way round under load, a save made and committed
             # between the two reads could be the step the job is killed at, and nothing would be lost.
-            incarnations = summarize(ckpt).incarnations if (ckpt / "goodput").is_dir() else []
+            started = any((ckpt / "goodput").glob("incarnation-*.jsonl"))  # the folder comes before its file
+            incarnations = summarize(ckpt).incarnations if started else []
             reached = incarnations[0].last_step if incarnations else None
             steps = committed_steps(ckpt)
             if reached is not None and steps and steps[-1] == reached // 4 * 4 < reached:
