@@ -33,6 +33,9 @@ from lightning.fabric import Fabric
 
 from benchmarks.common import (
     LAYERS,
+    NO_SAVES,
+    OURS_ASYNC,
+    OURS_SYNC,
     Report,
     Sample,
     build,
@@ -46,10 +49,7 @@ from benchmarks.common import (
 from lightning_resilience.fabric import ResilientCheckpointIO, resume
 
 BATCH = 8
-NO_SAVES = "no saves"
 STOCK = "fabric.save, Fabric's own"
-OURS_ASYNC = "ours, async staging"
-OURS_SYNC = "ours, sync staging"
 VARIANTS = {"stock": STOCK, "async": OURS_ASYNC, "sync": OURS_SYNC}
 
 

@@ -43,6 +43,9 @@ from accelerate_resilience.transformers import attach_trainer
 from benchmarks.common import (
     DEFAULT_SIZE_GB,
     LAYERS,
+    NO_SAVES,
+    OURS_ASYNC,
+    OURS_SYNC,
     Report,
     Sample,
     cpu_seconds,
@@ -55,10 +58,7 @@ from benchmarks.common import (
 )
 
 BATCH = 8
-NO_SAVES = "no saves"
 STOCK = "Trainer's own save"
-OURS_ASYNC = "ours, async staging"
-OURS_SYNC = "ours, sync staging"
 VARIANTS = {"stock": STOCK, "async": OURS_ASYNC, "sync": OURS_SYNC}
 
 

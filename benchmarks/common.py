@@ -249,6 +249,11 @@ def cpu_seconds() -> float:
 # ---- added time per save in a real training run ------------------------------------------------------------------
 
 
+# The variants' labels of the side-by-sides that run a framework's own save against ours (bench_fabric,
+# bench_transformers): the no-save run every round pairs with, and ours with each staging.
+NO_SAVES, OURS_ASYNC, OURS_SYNC = "no saves", "ours, async staging", "ours, sync staging"
+
+
 def paired_rounds(
     names: Sequence[str], everies: Sequence[int], rounds: int, steps: int, fit: Callable[[str, int, int], Sample]
 ) -> dict[int, dict[str, list[Sample]]]:
