@@ -9,6 +9,7 @@ last save.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -40,7 +41,8 @@ def main() -> None:
             saved.append(accelerator.save_state())
     point = accelerator.load_state(saved[0])
     report = {"saved": saved, "step": point.global_step, "iteration": accelerator.save_iteration, "rng": rng}
-    print(f"FOLDERS rank={accelerator.process_index} {json.dumps(report)}", flush=True)
+    line = f"FOLDERS rank={accelerator.process_index} {json.dumps(report)}\n"
+    os.write(1, line.encode())  # one write: the ranks share stdout, and print writes the newline apart
     resilience.close()
     accelerator.end_training()
 
