@@ -316,6 +316,7 @@ class TrainingSession:
         self._last_end_t = time.perf_counter()
         self.goodput.boundary_done(step, self._last_end_t)
         self._last_boundary = boundary
+        inplace.running()  # once per generation: this node's launcher may start its warm spare now
         return boundary
 
     def _decide(self, step: int) -> Boundary:

@@ -88,8 +88,10 @@ def same_params(a: Path, b: Path) -> bool:
 
 
 def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_process(tmp_path: Path) -> None:
+    """The spare starts as soon as the ranks say their first step is done, long before its longest delay."""
     plan = {"0:1": "late-die:3", "0:0": "fail"}
-    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    env = {"PROBE_PLAN": json.dumps(plan), "PROBE_RUNNING": "0"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env=env, spare_delay_s=60)
     assert code == 0, output
     seen = by_generation(lines(output, "PROBE"))
     assert set(seen) == {(0, 0), (0, 1), (1, 0), (1, 1)}, output
@@ -100,11 +102,22 @@ def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_proc
     assert "generation 1: rank(s) [1] replaced, the others restart in place (restart 1 of 3)" in output
 
 
-def test_the_spare_a_restart_took_is_started_again_only_after_the_delay(tmp_path: Path) -> None:
-    """Its imports would compete with the restarting ranks for the cores: within the delay a second loss gets a
-    replacement started cold."""
-    plan = {"0:1": "late-die:3", "0:0": "fail", "1:1": "late-die:3", "1:0": "fail"}
+def test_no_spare_starts_before_the_ranks_say_their_first_step_is_done(tmp_path: Path) -> None:
+    """Its imports would compete with the ranks' start for the cores: within the delay, and before the ranks of a
+    generation say they run, a loss gets a replacement started cold."""
+    plan = {"0:1": "late-die:3", "0:0": "fail"}
     code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, spare_delay_s=60)
+    assert code == 0, output
+    seen = by_generation(lines(output, "PROBE"))
+    assert seen[1, 1]["started"] > seen[1, 1]["began"] - 0.05, "a spare was started before the ranks ran"
+    assert seen[1, 0]["pid"] == seen[0, 0]["pid"]
+
+
+def test_the_spare_a_restart_took_is_started_again_only_after_the_delay(tmp_path: Path) -> None:
+    """After a restart too, the spare waits for the ranks' word (here: none in generation 1) or the delay."""
+    plan = {"0:1": "late-die:3", "0:0": "fail", "1:1": "late-die:3", "1:0": "fail"}
+    env = {"PROBE_PLAN": json.dumps(plan), "PROBE_RUNNING": "0"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env=env, spare_delay_s=60)
     assert code == 0, output
     seen = by_generation(lines(output, "PROBE"))
     assert seen[1, 1]["started"] < seen[1, 1]["began"] - 0.5, "the first replacement was not the warm spare"
@@ -137,11 +150,11 @@ def test_a_hung_rank_is_ended_on_its_peers_word(tmp_path: Path) -> None:
     assert seen[1, 0]["pid"] == seen[0, 0]["pid"] and seen[1, 1]["pid"] != seen[0, 1]["pid"]
 
 
-def ready_ranks(log: Path) -> subprocess.Popen[str]:
-    """A 2-rank launch whose ranks wait, each leaving with 75 on SIGTERM; returned once both are ready."""
+def ready_ranks(log: Path, ready: int = 2) -> subprocess.Popen[str]:
+    """A 2-rank launch whose ranks wait, each leaving with 75 on SIGTERM; returned once ``ready`` are ready."""
     proc = start(log, 2, PROBE, env={"PROBE_PLAN": json.dumps({"0:0": "sigterm", "0:1": "sigterm"})})
     deadline = time.monotonic() + TIMEOUT_S
-    while log.read_text().count("READY") < 2:
+    while log.read_text().count("READY") < ready:
         if proc.poll() is not None or time.monotonic() > deadline:
             kill_tree(proc)
             raise AssertionError(log.read_text())
@@ -149,14 +162,19 @@ def ready_ranks(log: Path) -> subprocess.Popen[str]:
     return proc
 
 
-def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path) -> None:
-    proc = ready_ranks(tmp_path / "log")
+@pytest.mark.parametrize("ready", [2, 1], ids=["ranks-ready", "as-the-ranks-start"])
+def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path, ready: int) -> None:
+    """``as-the-ranks-start``: node 0's launcher starts its ranks before it opens the job's store (it imports
+    torch meanwhile): a signal then still ends the job, with the code of a stop."""
+    proc = ready_ranks(tmp_path / "log", ready)
     try:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
         kill_tree(proc)
-    assert proc.returncode == 75, (tmp_path / "log").read_text()
+    output = (tmp_path / "log").read_text()
+    assert proc.returncode == 75, output
+    assert "Traceback" not in output, output
 
 
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ ENV_GENERATION = "RESILIENCE_GENERATION"  # the generation this process trains i
 ENV_BEGAN = "RESILIENCE_GENERATION_BEGAN"  # unix time this process was given its generation (its account begins)
 ENV_STOP_CODES = "RESILIENCE_STOP_CODES"  # exit codes of an agreed stop: the rank leaves, no restart in place
 ENV_LAUNCHER_PID = "RESILIENCE_LAUNCHER_PID"
+ENV_MARKS = "RESILIENCE_LAUNCH_MARKS"  # a folder on this node where a rank says its first step is done (see running)
 PR_SET_PDEATHSIG = 1  # prctl(2)
 EXIT_INTERRUPTED = 130
 # A configuration error (the pack's ConfigError): the same command fails the same way, so it ends the job rather
@@ -137,6 +138,7 @@ _before_next: list[Callable[[], None]] = []  # what to close before the next gen
 _held: tuple[str, str] | None = None
 _LOST_PEER_WORDS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 _store: Any = None
+_said_running: int | None = None  # the generation this process has said it runs in (see running)
 
 
 def active() -> bool:
@@ -154,6 +156,25 @@ def request(why: str) -> None:
     if _requested is None:
         _requested = why
         log.warning("rank %s: restarting in place after this generation (%s)", os.environ.get("RANK", "?"), why)
+
+
+def running_mark(folder: str, generation: int, rank: int) -> str:
+    """The file rank ``rank`` makes in its launcher's ``folder`` once its first step of ``generation`` is done."""
+    return os.path.join(folder, f"{generation}.{rank}")
+
+
+def running() -> None:
+    """Say, once per generation, that this rank is past its start (its first step is done): its node's launcher
+    starts its warm spare then, not while the ranks' own start (interpreter, imports, restore) needs the cores. A
+    file on this node, not a key in the job's store: a step never waits on the network. The pack's session calls
+    it at every step's end; a script of one's own may call it too (otherwise the spare waits ``spare_delay_s``)."""
+    global _said_running
+    number = generation()
+    if _said_running == number or ENV_MARKS not in os.environ:
+        return
+    _said_running = number
+    with contextlib.suppress(OSError):  # the launcher's folder gone: the spare starts after its delay
+        open(running_mark(os.environ[ENV_MARKS], number, int(os.environ["RANK"])), "a").close()
 
 
 def requested() -> str | None:

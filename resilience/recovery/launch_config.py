@@ -33,10 +33,11 @@ class LaunchConfig:
             running their script again in place); one more failure ends the job with the lost rank's exit code.
         spares: Warm processes kept ready on this node to take a lost rank (0: a replacement starts cold, paying
             the interpreter and imports, 2 to 6 s with torch and a framework).
-        spare_delay_s: After a restart, how long this node waits before it starts the spare that replaces the one
-            taken: the new process's interpreter and imports (seconds of CPU) would otherwise compete for the
-            node's cores with the ranks' restart (on 2 cores: 2.9-3.1 s from kill to first step, against 2.5-2.9
-            s with the wait). A second failure within it gets a replacement started cold.
+        spare_delay_s: How long this node waits, after its ranks start or restart, before it starts its spares,
+            unless every rank here says sooner that its first step is done (the pack's session does; a script of
+            one's own may call ``resilience.recovery.inplace.running()``). A spare's interpreter and imports
+            (seconds of CPU) would otherwise compete for the node's cores with the ranks' own start and restore.
+            A failure before the spare is started gets a replacement started cold.
         preload: Modules a spare imports before it is given a rank; ``"auto"``: the third-party modules the script
             imports (read from its source, never the user's own, whose import may depend on the rank).
         stop_codes: Exit codes that end the job: the other ranks leave too, with the same code, and so does the
@@ -98,6 +99,22 @@ class LaunchConfig:
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
+    def torchrun_env(self, rank: int) -> dict[str, str]:
+        """What torchrun sets for ``rank`` that this configuration decides (the rendezvous comes per generation)."""
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank - self.ranks().start),
+            "GROUP_RANK": str(self.node_rank),
+            "ROLE_RANK": str(rank),
+            "NODE_RANK": str(self.node_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nproc_per_node),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_NAME": "default",
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+        }
+
     def ranks(self, node: int | None = None) -> range:
         """The global ranks of node ``node`` (default: this node)."""
         node = self.node_rank if node is None else node
@@ -114,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rdzv-endpoint", default=defaults.rdzv_endpoint, help="HOST:PORT of node 0's launcher store")
     add("--max-restarts", type=int, default=defaults.max_restarts, help="restarts (generations) the job may make")
     add("--spares", type=int, default=defaults.spares, help="warm processes kept ready to take a lost rank")
-    add("--spare-delay-s", type=float, default=defaults.spare_delay_s, help="wait after a restart for a new spare")
+    add("--spare-delay-s", type=float, default=defaults.spare_delay_s, help="most a spare waits for ranks to run")
     add("--preload", default=defaults.preload, help="modules a spare imports first (comma list, or 'auto')")
     add("--stop-grace-s", type=float, default=defaults.stop_grace_s, help="how long ranks may take to stop")
     add("--recovery-timeout-s", type=float, default=defaults.recovery_timeout_s, help="how long survivors may take")

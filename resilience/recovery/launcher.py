@@ -39,6 +39,7 @@ from resilience.recovery.inplace import (
     ENV_BEGAN,
     ENV_GENERATION,
     ENV_LAUNCHER_PID,
+    ENV_MARKS,
     ENV_STOP_CODES,
     ENV_STORE,
     Generation,
@@ -56,16 +57,21 @@ from resilience.recovery.inplace import (
 )
 from resilience.recovery.launch_config import LaunchConfig, auto_preload
 from resilience.recovery.lost_nodes import LostNodes
+from resilience.recovery.spares import Spares
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str, besides: int = 0) -> int:
+    """A port no one listens on now (other than ``besides``, chosen before and not bound yet)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port != besides:
+            return port
 
 
 @dataclass
@@ -79,7 +85,6 @@ class _Job:
     """This node's view of its ranks in the current generation."""
 
     workers: dict[int, _Worker] = field(default_factory=dict)  # the ranks whose process is alive
-    spares: list[subprocess.Popen[bytes]] = field(default_factory=list)
     dead: dict[int, int] = field(default_factory=dict)  # rank -> exit code, lost in this generation
     finished: set[int] = field(default_factory=set)  # ranks whose script ended well
     agreed: int | None = None  # the exit code of an agreed stop a rank here ended with
@@ -88,7 +93,6 @@ class _Job:
     evictions_seen: int = 0
     ended: Generation | None = None  # the announced end of the job
     stop_deadline: float | None = None
-    spares_due: float | None = None  # when the spares taken by a restart are started again
 
 
 class Launcher:
@@ -108,33 +112,25 @@ class Launcher:
         self.job = _Job()
         self.leader = config.node_rank == 0
         self._store: Any = None
+        self._stop_early = False  # a signal came before the store was open
         self._store_host, self._store_port = config.master_addr, 0
         if config.rdzv_endpoint is not None:
             host, _, port = config.rdzv_endpoint.rpartition(":")
             self._store_host, self._store_port = host, int(port)
         self._run_id = f"resilience-{self._store_host}-{self._store_port}"
+        self.spares: Spares | None = None  # made by run
 
     # ---- processes -------------------------------------------------------------------------------------------
 
     def _rank_env(self, rank: int, generation: Generation) -> dict[str, str]:
-        config = self.config
         assert generation.port is not None
         return {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank - config.ranks().start),
-            "GROUP_RANK": str(config.node_rank),
-            "ROLE_RANK": str(rank),
-            "NODE_RANK": str(config.node_rank),
-            "WORLD_SIZE": str(config.world_size),
-            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-            "ROLE_WORLD_SIZE": str(config.world_size),
-            "GROUP_WORLD_SIZE": str(config.nnodes),
-            "ROLE_NAME": "default",
+            **self.config.torchrun_env(rank),
             "MASTER_ADDR": self._store_host,
             "MASTER_PORT": str(generation.port),
             "TORCHELASTIC_RUN_ID": self._run_id,
             "TORCHELASTIC_RESTART_COUNT": str(generation.number),
-            "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+            ENV_MARKS: self.spares.marks if self.spares is not None else "",
             ENV_GENERATION: str(generation.number),
             ENV_BEGAN: repr(time.time()),
         }
@@ -156,7 +152,7 @@ class Launcher:
     def _start(self, rank: int, generation: Generation) -> None:
         """Rank ``rank`` of ``generation``: a warm spare if one is ready, else a new process."""
         env = self._rank_env(rank, generation)
-        spare = self._take_spare()
+        spare = self.spares.take() if self.spares is not None else None
         if spare is not None:
             assert spare.stdin is not None
             spare.stdin.write((json.dumps({"env": env}) + "\n").encode())
@@ -166,48 +162,14 @@ class Launcher:
             proc = subprocess.Popen(self._command(spare=False), env={**self._base_env(), **env})
         self.job.workers[rank] = _Worker(rank, proc)
 
-    def _take_spare(self) -> subprocess.Popen[bytes] | None:
-        while self.job.spares:
-            spare = self.job.spares.pop(0)
-            if spare.poll() is None:
-                return spare
-            log.warning("a spare process exited with code %s before it was needed", spare.returncode)
-        return None
-
-    def _fill_spares(self) -> None:
-        left = self.config.max_restarts - self.job.generation.restarts
-        while len(self.job.spares) < min(self.config.spares, left):
-            self.job.spares.append(
-                subprocess.Popen(self._command(spare=True), env=self._base_env(), stdin=subprocess.PIPE)
-            )
-
     # ---- the job ---------------------------------------------------------------------------------------------
 
     def run(self) -> int:
         """Start this node's ranks and look after them until the job ends; returns the launcher's exit code."""
-        from torch.distributed import TCPStore
-
-        if self.leader and self._store_port == 0:
-            self._store_port = free_port(self._store_host)
-        store = TCPStore(
-            self._store_host,
-            self._store_port,
-            is_master=self.leader,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=max(60.0, self.config.recovery_timeout_s)),
-        )
-        self._store = BoundedStore(store, self.config.store_timeout_s, self._store_lost)
-        self._lost = LostNodes(self._store, self.config)
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        self.spares = Spares(self.config.spares, self.config.spare_delay_s, self._command(spare=True), self._base_env)
         try:
-            first = self._first_generation()
-            self.job.generation = first
-            if first.port is None:  # joined a job that ended meanwhile
-                self.job.ended = first
-            for rank in self.config.ranks() if first.port is not None else ():
-                self._start(rank, first)
-            self._store.set(started_key(self.config.node_rank), str(os.getpid()))
-            self._fill_spares()
+            self._begin()
             while self.job.workers or (self.job.dead and self.job.ended is None):  # ranks to replace still
                 try:
                     self._watch()
@@ -221,19 +183,58 @@ class Launcher:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            for spare in self.job.spares:
-                with contextlib.suppress(OSError):
-                    spare.kill()
-                spare.wait()
+            self.spares.close()
         return self._final_code()
 
-    def _first_generation(self) -> Generation:
-        """The generation this node's ranks start in: 0, or for a launcher that replaces a node lost whole (its node
-        had started before), the next one node 0 announces once it has seen this launcher join."""
+    def _begin(self) -> None:
+        """Open the job's store and start this node's ranks in their first generation.
+
+        Node 0 chooses generation 0 itself, so its ranks start before its store does: the launcher's import of
+        torch (about a second) then runs beside the ranks' own start, not before it, at every launch and relaunch.
+        Its announcement is the first in its own store, so it stands. A rank reaches the store only later (its
+        client waits for it)."""
         if self.leader:
-            self._announce(Generation(0, port=free_port(self._store_host)))
+            if self._store_port == 0:
+                self._store_port = free_port(self._store_host)
+            first = Generation(0, port=free_port(self._store_host, besides=self._store_port))
+            self._start_ranks(first)
+            self._open_store()
+            self._announce(first)
+        else:
+            self._open_store()
+            first = self._first_generation()
+            self._start_ranks(first)
+        self._store.set(started_key(self.config.node_rank), str(os.getpid()))
+        if self._stop_early:  # a signal came before the store was open
+            self._stop(None)
+
+    def _start_ranks(self, first: Generation) -> None:
+        self.job.generation = first
+        if first.port is None:  # joined a job that ended meanwhile
+            self.job.ended = first
+        for rank in self.config.ranks() if first.port is not None else ():
+            self._start(rank, first)
+        assert self.spares is not None
+        self.spares.ranks_started()
+
+    def _open_store(self) -> None:
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            self._store_host,
+            self._store_port,
+            is_master=self.leader,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=max(60.0, self.config.recovery_timeout_s)),
+        )
+        self._store = BoundedStore(store, self.config.store_timeout_s, self._store_lost)
+        self._lost = LostNodes(self._store, self.config)
+
+    def _first_generation(self) -> Generation:
+        """The generation a node other than 0 starts its ranks in: 0, or for a launcher that replaces a node lost
+        whole (its node had started before), the next one node 0 announces once it has seen this launcher join."""
         node = self.config.node_rank
-        if self.leader or not self._store.check([started_key(node)]):
+        if not self._store.check([started_key(node)]):
             self._store.wait([generation_key(0)])
             return Generation.decode(0, self._store.get(generation_key(0)))
         current = 0
@@ -256,11 +257,14 @@ class Launcher:
         while not self._store.check(keys) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
+    def _spare_processes(self) -> list[subprocess.Popen[bytes]]:
+        return self.spares.processes if self.spares is not None else []
+
     def _store_lost(self, call: str, seconds: float) -> None:
         """From the store's watch: a call to node 0's store has not returned (a partition, or node 0 gone without
         closing its sockets). This node is out of the job; the main thread stays blocked in that call."""
         why = f"the job's store on node 0 did not answer ({call}) for {seconds:.0f} s: this node is cut off"
-        procs = [worker.proc for worker in self.job.workers.values()] + self.job.spares
+        procs = [worker.proc for worker in self.job.workers.values()] + self._spare_processes()
         leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
     def _host_lost(self, exc: RuntimeError) -> None:
@@ -304,9 +308,8 @@ class Launcher:
         job = self.job
         self._lost.beat()
         self._silent_nodes()
-        if job.spares_due is not None and job.ended is None and time.monotonic() >= job.spares_due:
-            job.spares_due = None
-            self._fill_spares()
+        if job.ended is None and self.spares is not None:
+            self.spares.look(job.generation.number, job.workers, self.config.max_restarts - job.generation.restarts)
         number = job.generation.number
         for rank, worker in list(job.workers.items()):
             code = worker.proc.poll()
@@ -366,7 +369,7 @@ class Launcher:
             if self._lost.silent(number) and self.job.ended is None:
                 self._store.set(failed_key(number), "1")
         elif self._lost.beat_due and self._store.check([node_lost_key(number, self.config.node_rank)]):
-            procs = [worker.proc for worker in self.job.workers.values()] + self.job.spares
+            procs = [worker.proc for worker in self.job.workers.values()] + self._spare_processes()
             why = f"node 0 declared this node lost in generation {number} (its heartbeat stood while cut off)"
             leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
@@ -429,11 +432,15 @@ class Launcher:
             nxt.restarts,
             self.config.max_restarts,
         )
-        job.spares_due = time.monotonic() + self.config.spare_delay_s
+        if self.spares is not None:
+            self.spares.ranks_started()
 
     def _stop(self, code: int | None) -> None:
         """End the job (``code``: its exit code, None: as the ranks end); ranks waiting for a generation are told
         to leave."""
+        if self._store is None:  # a signal to node 0 before its store is open: announced once it is
+            self._stop_early = True
+            return
         if self.job.ended is None:
             stop = Generation(self.job.generation.number + 1, stop_code=code if code is not None else 75)
             self._ended(self._announce(stop))

@@ -1,11 +1,12 @@
 """A rank under ``resilience launch`` that does, in each generation, what its test planned, and trains nothing.
 
 PROBE_PLAN is JSON: ``{"<generation>:<rank>": action}``; a rank without an entry ends well. Actions: ``die:N`` (the
-process ends with code N at once, as a crash would), ``late-die:N`` (the same, after 1 s), ``fail`` (the script
-raises: the process stays and waits for the next generation), ``hang`` (sleeps, until ended), ``evict:R`` (asks the
-launcher to end rank R, then fails), ``linger`` (ends well after 3 s), ``stop:N`` (an agreed stop: ``sys.exit(N)``),
-``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does). Each generation prints one PROBE
-line.
+process ends with code N at once, as a crash would), ``late-die:N`` (the same, 1 s after the launcher's store is
+open), ``fail`` (the script raises: the process stays and waits for the next generation), ``hang`` (sleeps, until
+ended), ``evict:R`` (asks the launcher to end rank R, then fails), ``linger`` (ends well after 3 s), ``stop:N`` (an
+agreed stop: ``sys.exit(N)``), ``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does). Each
+generation prints one PROBE line. PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is
+past its first step, as the pack's session does at each step's end (its launcher then starts its spare).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ print(
     ),
     flush=True,
 )
+if str(generation) in os.environ.get("PROBE_RUNNING", "").split(","):
+    inplace.running()
 action = json.loads(os.environ.get("PROBE_PLAN", "{}")).get(f"{generation}:{rank}", "ok")
 kind, _, arg = action.partition(":")
 if kind == "die":
     os._exit(int(arg))
 elif kind == "late-die":
+    inplace.store()  # once the launcher's store is open (node 0's launcher opens it after starting its ranks)
     time.sleep(1.0)
     os._exit(int(arg))
 elif kind == "fail":
