@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -178,7 +179,8 @@ def test_a_signal_to_the_launcher_reaches_every_rank(tmp_path: Path, ready: int)
 
 
 def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:
-    """kill -9 of the launcher itself: its ranks get SIGTERM (the parent-death signal), as from a scheduler."""
+    """kill -9 of the launcher itself: its ranks get SIGTERM (the parent-death signal), as from a scheduler; the
+    folder it kept for its ranks' marks is removed by the next launch."""
     log = tmp_path / "log"
     proc = ready_ranks(log)
     try:
@@ -191,6 +193,11 @@ def test_ranks_leave_when_the_launcher_is_killed(tmp_path: Path) -> None:
             time.sleep(0.05)
     finally:
         kill_tree(proc)
+    left = list(Path(tempfile.gettempdir()).glob(f"resilience-launch-{proc.pid}-*"))
+    assert left, "the launcher killed outright made no folder for its ranks' marks"
+    code, output = launch(tmp_path / "next.log", 1, PROBE)
+    assert code == 0, output
+    assert not any(path.exists() for path in left), "the next launch left the dead launcher's folder"
 
 
 def nodes(tmp: Path, plan: dict[str, str], **options: Any) -> list[subprocess.Popen[str]]:

@@ -17,10 +17,26 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 from resilience.recovery.inplace import running_mark
 
 log = logging.getLogger(__name__)
+MARKS_PREFIX = "resilience-launch-"
+
+
+def _sweep_marks() -> None:
+    """Remove the folders of marks that launchers killed outright left (``kill -9`` skips their own removal)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{MARKS_PREFIX}*-*"):
+        pid = path.name[len(MARKS_PREFIX) :].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its launcher is gone (another user's live one raises PermissionError)
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
 
 
 class Spares:
@@ -37,7 +53,8 @@ class Spares:
         self.count, self.delay_s = count, delay_s
         self._command, self._env = command, env
         self.processes: list[subprocess.Popen[bytes]] = []
-        self.marks = tempfile.mkdtemp(prefix="resilience-launch-")  # where ranks say they run (ENV_MARKS)
+        _sweep_marks()
+        self.marks = tempfile.mkdtemp(prefix=f"{MARKS_PREFIX}{os.getpid()}-")  # where ranks say they run (ENV_MARKS)
         self._due: float | None = None  # the spares are wanted from then on, or once the ranks run
 
     def ranks_started(self) -> None:
