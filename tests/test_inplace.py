@@ -469,8 +469,10 @@ def test_a_node_lost_whole_is_replaced_by_a_new_launcher_and_the_job_goes_on_fro
     out = tmp_path / "run"
     out.mkdir()
     endpoint = f"127.0.0.1:{free_port()}"
-    # a recovery timeout longer than the test's: node 1 can only be found lost by its launcher's heartbeat
+    # a recovery timeout longer than the test's: node 1 can only be found lost by its launcher's heartbeat, which
+    # stands for node_lost_s (8, not the default 30: the same rule, sooner)
     options: dict[str, Any] = {"nnodes": 2, "rdzv_endpoint": endpoint, "recovery_timeout_s": 300, "node_wait_s": 120}
+    options["node_lost_s"] = 8
     roots = [out / "node-0", out / "node-1", out / "node-new"]
     env = {"TRAIN_STEP_SLEEP": "0.5"}  # step 8's commit comes 2 s after step 4's: the kill is well before it
     procs = [

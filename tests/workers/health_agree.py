@@ -22,7 +22,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     manager = CheckpointManager(CheckpointConfig(local_root=sys.argv[1]))
-    guard = HealthGuard(HealthConfig(poll_interval_s=0.05, exit_timeout_s=1.0, watchdog=False)).start()
+    # a short grace: the stuck thread below holds the process until the forced exit at its end
+    config = HealthConfig(poll_interval_s=0.05, exit_timeout_s=1.0, watchdog=False, grace_s=4.0, exit_reserve_s=1.0)
+    guard = HealthGuard(config).start()
     state = {"w": torch.arange(4.0)}
     for step in range(1, 11):
         decision = guard.on_step(step)
