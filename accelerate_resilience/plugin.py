@@ -41,8 +41,10 @@ _NOTES = {
     "every_n_steps": "A save comes when the next batch is drawn, so the step, its scheduler step and the data "
     'position are complete; with ``"auto"`` the first comes 5 steps in, to measure C. Default: only when you '
     "call ``save()``.",
-    "async_staging": "Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's, "
-    "``register_for_checkpointing`` objects) must not change before that step; turn it off for those.",
+    "async_staging": "``accelerator.save_state()`` returns once the copy no longer reads the live state, as "
+    "Accelerate's own does. For the saves of ``every_n_steps``, tensors changed elsewhere (a forward that updates "
+    "buffers other than BatchNorm's, ``register_for_checkpointing`` objects) must not change before that step; "
+    "turn it off for those.",
     "grace_s": "The same time bounds a survivor save after a lost peer.",
     "allow_pickle": "Off, a save refuses a ``register_for_checkpointing`` object whose state only pickle can store.",
     "persist": 'Or ``"auto"``: ``"thread"`` for one process with a model under 4 MiB, else ``"process"`` '
@@ -96,9 +98,10 @@ class ResiliencePlugin:
         async_staging: Copy the state to host memory in the background. Until the copy is done, the next
             ``optimizer.step()`` (of any optimizer) first waits for it, through a global optimizer pre-step hook
             that exists only while a copy is pending; callers may also call ``wait_for_staging()`` themselves.
-            Tensors changed elsewhere (a forward that updates buffers other than BatchNorm's,
-            ``register_for_checkpointing`` objects) must not change before that step; turn it off for those.
-            Default: true.
+            ``accelerator.save_state()`` returns once the copy no longer reads the live state, as Accelerate's own
+            does. For the saves of ``every_n_steps``, tensors changed elsewhere (a forward that updates buffers
+            other than BatchNorm's, ``register_for_checkpointing`` objects) must not change before that step; turn
+            it off for those. Default: true.
         when_busy: What a save does while the previous one is still being staged or written: ``"wait"`` for it, or
             ``"skip"`` the new one (counted and warned). Default: ``"wait"``.
         on_upload_error: ``"raise"`` stops training at the next save with the upload's error; ``"warn"`` keeps

@@ -142,6 +142,10 @@ class Routes:
             self.folders.check_free()
         iteration = handle.accelerator.project_configuration.iteration
         saved = handle.save()
+        # Accelerate's own save_state() leaves the state free to change once it returns (an EMA swapped in for an
+        # evaluation, parameters edited by hand): by then the copy no longer reads the live state. On CUDA later
+        # work on the stream is ordered after the copy, without blocking; on CPU this waits for the copy.
+        handle.manager.wait_for_staging()
         if saved is None:
             return None
         if not self.folders.enabled:

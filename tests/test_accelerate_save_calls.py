@@ -102,6 +102,25 @@ def test_eleven_saves_between_two_optimizer_steps_are_eleven_checkpoints(tmp_pat
             assert torch.equal(next(job.model.parameters()), weights[index])
 
 
+def test_state_changed_as_save_state_returns_is_not_in_its_checkpoint(tmp_path: Path) -> None:
+    """An EMA swapped in for an evaluation, parameters edited by hand: right after ``save_state()`` returns, with
+    the default background copy and no optimizer step between. 32 MB of state, so that a copy still reading the
+    live tensors would take in the change (it did, before ``save_state()`` waited for the copy)."""
+    from accelerate import Accelerator
+    from torch import nn
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8))))
+    with attach(accelerator, ResiliencePlugin(local_root=str(tmp_path), persist="thread")):
+        at_the_call = accelerate_model_only.weights(model)
+        path = accelerator.save_state()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(1.0)
+        accelerator.load_state(path)
+        assert_weights(accelerate_model_only.weights(model), at_the_call)
+
+
 def test_a_number_given_twice_is_refused_at_the_call(tmp_path: Path) -> None:
     job = new_job()
     with attach(job.accelerator, ResiliencePlugin(local_root=str(tmp_path))) as resilience:
