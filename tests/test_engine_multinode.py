@@ -361,6 +361,7 @@ def lose_node_b(tmp_path: Path, *, peer_copy_lost: bool) -> tuple[dict[str, Any]
     return new, kept, root_a
 
 
+@pytest.mark.slow  # the same resume from peers after a node lost whole runs by default under resilience launch
 def test_a_lost_node_replaced_with_an_empty_disk_resumes_from_its_peers_without_the_durable_tier(
     tmp_path: Path,
 ) -> None:

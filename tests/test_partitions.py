@@ -109,7 +109,8 @@ SLOW_WRITES = {
 }
 
 
-@pytest.mark.parametrize("when", ["between_saves", "during_a_save"])
+# between saves: the same cut and the same survivor save as during one, without the save in flight
+@pytest.mark.parametrize("when", [pytest.param("between_saves", marks=pytest.mark.slow), "during_a_save"])
 def test_a_permanent_cut_ends_both_sides_and_node_0_saves_what_its_replica_holds(tmp_path: Path, when: str) -> None:
     with netns.two_hosts() as hosts:
         procs = start_nodes(hosts, tmp_path, epochs=40, extra=SLOW_WRITES if when == "during_a_save" else None)

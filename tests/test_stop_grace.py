@@ -31,7 +31,9 @@ from tests.test_preemption_delivery import (
 GRACE_S = 8.0
 
 
-@pytest.mark.parametrize("storage", ["never_answers", "throttles"])
+# throttled: the upload ends within the grace, its 503s retried (the retries run by default in test_throttling.py
+# and test_reliability_s3.py)
+@pytest.mark.parametrize("storage", ["never_answers", pytest.param("throttles", marks=pytest.mark.slow)])
 def test_a_stop_leaves_within_its_grace_when_the_durable_tier_does_not_take_the_upload(
     tmp_path: Path, s3: dict[str, object], storage: str
 ) -> None:
