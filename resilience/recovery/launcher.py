@@ -212,8 +212,8 @@ class Launcher:
         self.job.generation = first
         if first.port is None:  # joined a job that ended meanwhile
             self.job.ended = first
-        for rank in self.config.ranks() if first.port is not None else ():
-            self._start(rank, first)
+        for rank in self.config.ranks() if first.port is not None and not self._stop_early else ():
+            self._start(rank, first)  # a signal before they started: none is (the stop is announced next)
         assert self.spares is not None
         self.spares.ranks_started()
 
