@@ -82,7 +82,9 @@ def kill_once_committed(ckpt: Path, ranks: int, log: Path, step: int) -> int:
     return newest
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-ranks"])
+# one process: a kill -9 and relaunch runs by default in test_transformers_folders.py, a resume that ends with
+# the uninterrupted weights in test_transformers_trainer.py
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.slow), 2], ids=["one-process", "two-ranks"])
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str]:
     """One uninterrupted run: the number of ranks, and its digest."""
     ranks = int(request.param)
