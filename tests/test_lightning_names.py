@@ -138,7 +138,12 @@ def test_top_k_and_last_names_are_lightning_files_that_load_anywhere(
     for key, value in model.state_dict().items():
         assert torch.equal(value, state["state_dict"][key])  # type: ignore[index]
     plain = pl.Trainer(
-        accelerator="cpu", max_steps=14, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        max_steps=14,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path / "plain",  # its own ModelCheckpoint's files: not in the working directory
     )
     plain.fit(DemoModel(), DemoData(), ckpt_path=best)  # resumed by stock Lightning: optimizer, loops and all
     assert plain.global_step == 14
