@@ -169,12 +169,15 @@ def running() -> None:
     file on this node, not a key in the job's store: a step never waits on the network. The pack's session calls
     it at every step's end; a script of one's own may call it too (otherwise the spare waits ``spare_delay_s``)."""
     global _said_running
+    folder = os.environ.get(ENV_MARKS)
+    if folder is None:  # not under resilience launch: one lookup a step
+        return
     number = generation()
-    if _said_running == number or ENV_MARKS not in os.environ:
+    if _said_running == number:
         return
     _said_running = number
     with contextlib.suppress(OSError):  # the launcher's folder gone: the spare starts after its delay
-        open(running_mark(os.environ[ENV_MARKS], number, int(os.environ["RANK"])), "a").close()
+        open(running_mark(folder, number, int(os.environ["RANK"])), "a").close()
 
 
 def requested() -> str | None:

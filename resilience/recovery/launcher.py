@@ -118,7 +118,7 @@ class Launcher:
             host, _, port = config.rdzv_endpoint.rpartition(":")
             self._store_host, self._store_port = host, int(port)
         self._run_id = f"resilience-{self._store_host}-{self._store_port}"
-        self.spares: Spares | None = None  # made by run
+        self.spares = Spares(config.spares, config.spare_delay_s, self._command(spare=True), self._base_env)
 
     # ---- processes -------------------------------------------------------------------------------------------
 
@@ -130,7 +130,7 @@ class Launcher:
             "MASTER_PORT": str(generation.port),
             "TORCHELASTIC_RUN_ID": self._run_id,
             "TORCHELASTIC_RESTART_COUNT": str(generation.number),
-            ENV_MARKS: self.spares.marks if self.spares is not None else "",
+            ENV_MARKS: self.spares.marks,
             ENV_GENERATION: str(generation.number),
             ENV_BEGAN: repr(time.time()),
         }
@@ -152,7 +152,7 @@ class Launcher:
     def _start(self, rank: int, generation: Generation) -> None:
         """Rank ``rank`` of ``generation``: a warm spare if one is ready, else a new process."""
         env = self._rank_env(rank, generation)
-        spare = self.spares.take() if self.spares is not None else None
+        spare = self.spares.take()
         if spare is not None:
             assert spare.stdin is not None
             spare.stdin.write((json.dumps({"env": env}) + "\n").encode())
@@ -167,7 +167,6 @@ class Launcher:
     def run(self) -> int:
         """Start this node's ranks and look after them until the job ends; returns the launcher's exit code."""
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
-        self.spares = Spares(self.config.spares, self.config.spare_delay_s, self._command(spare=True), self._base_env)
         try:
             self._begin()
             while self.job.workers or (self.job.dead and self.job.ended is None):  # ranks to replace still
@@ -214,7 +213,6 @@ class Launcher:
             self.job.ended = first
         for rank in self.config.ranks() if first.port is not None and not self._stop_early else ():
             self._start(rank, first)  # a signal before they started: none is (the stop is announced next)
-        assert self.spares is not None
         self.spares.ranks_started()
 
     def _open_store(self) -> None:
@@ -257,14 +255,11 @@ class Launcher:
         while not self._store.check(keys) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
-    def _spare_processes(self) -> list[subprocess.Popen[bytes]]:
-        return self.spares.processes if self.spares is not None else []
-
     def _store_lost(self, call: str, seconds: float) -> None:
         """From the store's watch: a call to node 0's store has not returned (a partition, or node 0 gone without
         closing its sockets). This node is out of the job; the main thread stays blocked in that call."""
         why = f"the job's store on node 0 did not answer ({call}) for {seconds:.0f} s: this node is cut off"
-        procs = [worker.proc for worker in self.job.workers.values()] + self._spare_processes()
+        procs = [worker.proc for worker in self.job.workers.values()] + self.spares.processes
         leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
     def _host_lost(self, exc: RuntimeError) -> None:
@@ -308,7 +303,7 @@ class Launcher:
         job = self.job
         self._lost.beat()
         self._silent_nodes()
-        if job.ended is None and self.spares is not None:
+        if job.ended is None:
             self.spares.look(job.generation.number, job.workers, self.config.max_restarts - job.generation.restarts)
         number = job.generation.number
         for rank, worker in list(job.workers.items()):
@@ -369,7 +364,7 @@ class Launcher:
             if self._lost.silent(number) and self.job.ended is None:
                 self._store.set(failed_key(number), "1")
         elif self._lost.beat_due and self._store.check([node_lost_key(number, self.config.node_rank)]):
-            procs = [worker.proc for worker in self.job.workers.values()] + self._spare_processes()
+            procs = [worker.proc for worker in self.job.workers.values()] + self.spares.processes
             why = f"node 0 declared this node lost in generation {number} (its heartbeat stood while cut off)"
             leave_cut_off(why, procs, max(self.config.stop_codes, default=75))
 
@@ -432,8 +427,7 @@ class Launcher:
             nxt.restarts,
             self.config.max_restarts,
         )
-        if self.spares is not None:
-            self.spares.ranks_started()
+        self.spares.ranks_started()
 
     def _stop(self, code: int | None) -> None:
         """End the job (``code``: its exit code, None: as the ranks end); ranks waiting for a generation are told
