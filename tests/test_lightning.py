@@ -280,10 +280,10 @@ def wait_for_exit(root: Path, timeout: float = 120) -> None:
 @pytest.mark.parametrize(
     ("stop", "step", "leader"),
     [
-        (["--kill-at", "10"], 8, 0),  # killed after step 10: the resume is from ModelCheckpoint's save of step 8
-        # rank 0's GPU faults at step 6: it must not be read, so rank 1 leads that save (by default, a sick GPU's
-        # share written by its replicas in test_survivors.py, rank 1 leading once rank 0 is lost in test_inplace.py)
-        pytest.param(["--health"], 6, 1, marks=pytest.mark.slow),
+        # killed after step 10: the resume is from ModelCheckpoint's save of step 8, rank 0 leading (the xid case
+        # runs the same restore of each rank's callbacks with rank 1 leading)
+        pytest.param(["--kill-at", "10"], 8, 0, marks=pytest.mark.slow),
+        (["--health"], 6, 1),  # rank 0's GPU faults at step 6: it must not be read, so rank 1 leads that save
         # rank 0 is SIGKILLed in step 8: rank 1 alone commits step 7 (a survivor save), from its own state; rank 1
         # leading is the xid case's, rank 0 lost test_survivors.py's and test_inplace.py's
         pytest.param(["--victim", "0:7:kill", "--step-sleep", "0.1"], 7, 1, marks=pytest.mark.slow),
