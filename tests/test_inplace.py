@@ -114,6 +114,16 @@ def test_no_spare_starts_before_the_ranks_say_their_first_step_is_done(tmp_path:
     assert seen[1, 0]["pid"] == seen[0, 0]["pid"]
 
 
+def test_a_one_node_launcher_opens_its_store_once_the_ranks_say_their_first_step_is_done(tmp_path: Path) -> None:
+    """Its import of torch would compete with the ranks' own start for the cores, and no one needs the store of a
+    one-node job before a failure: it opens once every rank has said it runs."""
+    plan = {"0:0": "store-after-first-step", "0:1": "store-after-first-step"}
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, spare_delay_s=60)
+    assert code == 0, output
+    seen = lines(output, "STORE")
+    assert len(seen) == 2 and all(not r["before"] and r["after"] for r in seen), output
+
+
 def test_the_spare_a_restart_took_is_started_again_only_after_the_delay(tmp_path: Path) -> None:
     """After a restart too, the spare waits for the ranks' word (here: none in generation 1) or the delay."""
     plan = {"0:1": "late-die:3", "0:0": "fail", "1:1": "late-die:3", "1:0": "fail"}

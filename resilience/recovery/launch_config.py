@@ -11,6 +11,7 @@ import ast
 import contextlib
 import importlib.util
 import os
+import socket
 import sysconfig
 from dataclasses import dataclass
 
@@ -172,3 +173,13 @@ def auto_preload(target: Target) -> list[str]:
                 if any(origin.startswith(root + os.sep) for root in libraries):
                     found.append(name)
     return found
+
+
+def free_port(host: str, besides: int = 0) -> int:
+    """A port no one listens on now (other than ``besides``, chosen before and not bound yet)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port != besides:
+            return port

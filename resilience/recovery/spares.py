@@ -66,11 +66,14 @@ class Spares:
         node's live ranks in ``generation``."""
         if self._due is None:
             return
-        runs = all(os.path.exists(running_mark(self.marks, generation, rank)) for rank in ranks)
-        if runs or time.monotonic() >= self._due:
+        if self.ranks_run(generation, ranks) or time.monotonic() >= self._due:
             self._due = None
             while len(self.processes) < min(self.count, allowed):
                 self.processes.append(subprocess.Popen(self._command, env=self._env(), stdin=subprocess.PIPE))
+
+    def ranks_run(self, generation: int, ranks: Collection[int]) -> bool:
+        """Whether each of ``ranks`` has said its first step of ``generation`` is done."""
+        return all(os.path.exists(running_mark(self.marks, generation, rank)) for rank in ranks)
 
     def take(self) -> subprocess.Popen[bytes] | None:
         """A ready spare (removed from the set), or None."""

@@ -4,7 +4,9 @@ PROBE_PLAN is JSON: ``{"<generation>:<rank>": action}``; a rank without an entry
 process ends with code N at once, as a crash would), ``late-die:N`` (the same, 1 s after the launcher's store is
 open), ``fail`` (the script raises: the process stays and waits for the next generation), ``hang`` (sleeps, until
 ended), ``evict:R`` (asks the launcher to end rank R, then fails), ``linger`` (ends well after 3 s), ``stop:N`` (an
-agreed stop: ``sys.exit(N)``), ``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does). Each
+agreed stop: ``sys.exit(N)``), ``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does),
+``store-after-first-step`` (prints a STORE line: whether the launcher's store listened 3 s after the start, and
+once the rank said it is past its first step). Each
 generation prints one PROBE line. PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is
 past its first step, as the pack's session does at each step's end (its launcher then starts its spare).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -55,6 +58,23 @@ elif kind == "evict":
     raise RuntimeError(f"rank {arg} is hung")
 elif kind == "stop":
     sys.exit(int(arg))
+elif kind == "store-after-first-step":
+    host, _, port = os.environ[inplace.ENV_STORE].rpartition(":")
+
+    def listens() -> bool:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            return False
+        return True
+
+    time.sleep(3.0)  # the launcher would have opened its store in this time, but for the ranks' first step
+    before = listens()
+    inplace.running()
+    deadline = time.monotonic() + 60
+    while not listens() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("STORE " + json.dumps({"rank": rank, "before": before, "after": listens()}), flush=True)
 elif kind == "sigterm":
     signal.signal(signal.SIGTERM, lambda *_: os._exit(75))
     print(f"READY {rank}", flush=True)
