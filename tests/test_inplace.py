@@ -92,7 +92,7 @@ def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_proc
     """The spare starts as soon as the ranks say their first step is done, long before its longest delay."""
     plan = {"0:1": "late-die:3", "0:0": "fail"}
     env = {"PROBE_PLAN": json.dumps(plan), "PROBE_RUNNING": "0"}
-    code, output = launch(tmp_path / "log", 2, PROBE, env=env, spare_delay_s=60)
+    code, output = launch(tmp_path / "log", 2, PROBE, env=env, spare_delay_s=60, preload="tests.workers.preload_probe")
     assert code == 0, output
     seen = by_generation(lines(output, "PROBE"))
     assert set(seen) == {(0, 0), (0, 1), (1, 0), (1, 1)}, output
@@ -101,12 +101,14 @@ def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_proc
     assert replacement["pid"] != seen[0, 1]["pid"]
     assert replacement["started"] < replacement["began"] - 0.5, "the replacement was not a process started ahead"
     assert "generation 1: rank(s) [1] replaced, the others restart in place (restart 1 of 3)" in output
+    # the spare's imports took only idle CPU (they ran beside training); the rank it became runs as the others do
+    assert replacement["preload_nice"] == 19 and replacement["nice"] == os.getpriority(os.PRIO_PROCESS, 0), output
 
 
 def test_no_spare_starts_before_the_ranks_say_their_first_step_is_done(tmp_path: Path) -> None:
     """Its imports would compete with the ranks' start for the cores: within the delay, and before the ranks of a
     generation say they run, a loss gets a replacement started cold."""
-    plan = {"0:1": "late-die:3", "0:0": "fail"}
+    plan = {"0:1": "die:3", "0:0": "fail"}
     code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)}, spare_delay_s=60)
     assert code == 0, output
     seen = by_generation(lines(output, "PROBE"))

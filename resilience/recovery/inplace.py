@@ -27,6 +27,7 @@ import logging
 import os
 import runpy
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ ENV_STOP_CODES = "RESILIENCE_STOP_CODES"  # exit codes of an agreed stop: the ra
 ENV_LAUNCHER_PID = "RESILIENCE_LAUNCHER_PID"
 ENV_MARKS = "RESILIENCE_LAUNCH_MARKS"  # a folder on this node where a rank says its first step is done (see running)
 PR_SET_PDEATHSIG = 1  # prctl(2)
+LOWEST_PRIORITY = 19  # the highest nice value: a spare's imports (see _preload)
 EXIT_INTERRUPTED = 130
 # A configuration error (the pack's ConfigError): the same command fails the same way, so it ends the job rather
 # than being run again; 2, as for usage errors (argparse's, the resilience command's).
@@ -434,12 +436,26 @@ def _end_with_launcher() -> None:
 
 
 def _preload(modules: Iterable[str]) -> None:
-    """Import what the script will import, before a rank is assigned (a warm spare's whole point)."""
-    for name in modules:
-        try:
-            __import__(name)
-        except BaseException as exc:  # a module that cannot be imported before its rank is known is left to the script
-            log.debug("spare: preloading %s failed: %s", name, exc)
+    """Import what the script will import, before a rank is assigned (a warm spare's whole point).
+
+    In a thread of its own at the lowest CPU priority: a spare starts while the ranks train, and its imports
+    (seconds of CPU) take only what they leave idle. Linux keeps a nice value per thread, so the main thread, which
+    runs the rank later, keeps the launcher's. A rank assigned to a spare whose imports are not done waits for them
+    on cores the survivors, waiting for it, leave free."""
+    names = list(modules)
+
+    def imports() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority or get_native_id
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        for name in names:
+            try:
+                __import__(name)
+            except BaseException as exc:  # one that cannot be imported before its rank is known: left to the script
+                log.debug("spare: preloading %s failed: %s", name, exc)
+
+    thread = threading.Thread(target=imports, name="resilience-preload", daemon=True)
+    thread.start()
+    thread.join()
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -7,7 +7,8 @@ ended), ``evict:R`` (asks the launcher to end rank R, then fails), ``linger`` (e
 agreed stop: ``sys.exit(N)``), ``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does),
 ``store-after-first-step`` (prints a STORE line: whether the launcher's store listened 3 s after the start, and
 once the rank said it is past its first step). Each
-generation prints one PROBE line. PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is
+generation prints one PROBE line (with the CPU priority of the thread that imported ``preload_probe``, where a
+spare preloaded it). PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is
 past its first step, as the pack's session does at each step's end (its launcher then starts its spare).
 """
 
@@ -33,6 +34,8 @@ print(
             "pid": os.getpid(),
             "started": process_start_time(),
             "began": float(os.environ["RESILIENCE_GENERATION_BEGAN"]),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's: the one that runs the rank
+            "preload_nice": getattr(sys.modules.get("tests.workers.preload_probe"), "NICE", None),
         }
     ),
     flush=True,
