@@ -155,8 +155,9 @@ def test_an_agreed_stop_ends_the_job_with_its_code_and_nothing_restarts(tmp_path
 
 
 def test_a_hung_rank_is_ended_on_its_peers_word(tmp_path: Path) -> None:
+    """A hang is named after steps were done (the ranks said they run, so the store of a one-node job is open)."""
     plan = {"0:1": "hang", "0:0": "evict:1"}
-    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan)})
+    code, output = launch(tmp_path / "log", 2, PROBE, env={"PROBE_PLAN": json.dumps(plan), "PROBE_RUNNING": "0"})
     assert code == 0, output
     assert "rank 1 is hung (its peers say so): ending it" in output
     seen = by_generation(lines(output, "PROBE"))
