@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 
+from resilience.recovery import preload as preload_module
 from resilience.recovery.inplace import Target
 from resilience.recovery.launch_config import auto_preload
 from resilience.storage.processes import process_start_ticks
@@ -101,8 +102,21 @@ def test_a_lost_rank_goes_to_a_warm_spare_and_the_others_run_again_in_their_proc
     assert replacement["pid"] != seen[0, 1]["pid"]
     assert replacement["started"] < replacement["began"] - 0.5, "the replacement was not a process started ahead"
     assert "generation 1: rank(s) [1] replaced, the others restart in place (restart 1 of 3)" in output
-    # the spare's imports took only idle CPU (they ran beside training); the rank it became runs as the others do
-    assert replacement["preload_nice"] == 19 and replacement["nice"] == os.getpriority(os.PRIO_PROCESS, 0), output
+    # the spare's imports took only idle CPU (they ran beside training); the rank it became runs as the others do,
+    # a thread those imports started too
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert replacement["preload_nice"] == 19 and replacement["nice"] == replacement["pool_nice"] == own, output
+
+
+def test_a_spare_that_may_not_put_a_priority_back_imports_at_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_SYS_NICE or an RLIMIT_NICE that allows it, a thread lowered for the imports (and the threads they
+    start) could never be put back: the imports then run at the process's own priority."""
+    monkeypatch.setattr(preload_module, "_may_put_back", lambda: False)
+    monkeypatch.delitem(sys.modules, "tests.workers.preload_probe", raising=False)
+    preload_module.preload(["tests.workers.preload_probe"])
+    probe = sys.modules.pop("tests.workers.preload_probe")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert own == probe.NICE and os.getpriority(os.PRIO_PROCESS, probe.POOL_THREAD) == own
 
 
 def test_no_spare_starts_before_the_ranks_say_their_first_step_is_done(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ import logging
 import os
 import runpy
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any, NoReturn
 
 from resilience.checkpoint import open_engines
 from resilience.errors import ConfigError
+from resilience.recovery.preload import preload
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ ENV_STOP_CODES = "RESILIENCE_STOP_CODES"  # exit codes of an agreed stop: the ra
 ENV_LAUNCHER_PID = "RESILIENCE_LAUNCHER_PID"
 ENV_MARKS = "RESILIENCE_LAUNCH_MARKS"  # a folder on this node where a rank says its first step is done (see running)
 PR_SET_PDEATHSIG = 1  # prctl(2)
-LOWEST_PRIORITY = 19  # the highest nice value: a spare's imports (see _preload)
 EXIT_INTERRUPTED = 130
 # A configuration error (the pack's ConfigError): the same command fails the same way, so it ends the job rather
 # than being run again; 2, as for usage errors (argparse's, the resilience command's).
@@ -435,29 +434,6 @@ def _end_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the launcher died before the signal was set
 
 
-def _preload(modules: Iterable[str]) -> None:
-    """Import what the script will import, before a rank is assigned (a warm spare's whole point).
-
-    In a thread of its own at the lowest CPU priority: a spare starts while the ranks train, and its imports
-    (seconds of CPU) take only what they leave idle. Linux keeps a nice value per thread, so the main thread, which
-    runs the rank later, keeps the launcher's. A rank assigned to a spare whose imports are not done waits for them
-    on cores the survivors, waiting for it, leave free."""
-    names = list(modules)
-
-    def imports() -> None:
-        with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority or get_native_id
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
-        for name in names:
-            try:
-                __import__(name)
-            except BaseException as exc:  # one that cannot be imported before its rank is known: left to the script
-                log.debug("spare: preloading %s failed: %s", name, exc)
-
-    thread = threading.Thread(target=imports, name="resilience-preload", daemon=True)
-    thread.start()
-    thread.join()
-
-
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="python -m resilience.recovery.inplace", description=__doc__.split("\n\n")[0])
     parser.add_argument("--spare", action="store_true", help="preload, then wait on stdin for a rank to take")
@@ -467,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     _end_with_launcher()
     target = Target.parse(args.target[1:] if args.target[:1] == ["--"] else args.target)
     if args.spare:
-        _preload(m for m in args.preload.split(",") if m)
+        preload(m for m in args.preload.split(",") if m)
         line = sys.stdin.readline()
         if not line:  # the launcher closed our stdin without a rank: not needed
             sys.exit(0)

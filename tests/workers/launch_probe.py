@@ -6,10 +6,10 @@ open), ``fail`` (the script raises: the process stays and waits for the next gen
 ended), ``evict:R`` (asks the launcher to end rank R, then fails), ``linger`` (ends well after 3 s), ``stop:N`` (an
 agreed stop: ``sys.exit(N)``), ``sigterm`` (waits; SIGTERM makes it leave with 75, as a preempted rank does),
 ``store-after-first-step`` (prints a STORE line: whether the launcher's store listened 3 s after the start, and
-once the rank said it is past its first step). Each
-generation prints one PROBE line (with the CPU priority of the thread that imported ``preload_probe``, where a
-spare preloaded it). PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is
-past its first step, as the pack's session does at each step's end (its launcher then starts its spare).
+once the rank said it is past its first step). Each generation prints one PROBE line (with the CPU priorities of
+the thread that imported ``preload_probe``, where a spare preloaded it, and of the thread it started).
+PROBE_RUNNING lists the generations (comma-separated) in which a rank says it is past its first step, as the
+pack's session does at each step's end (its launcher then starts its spare).
 """
 
 from __future__ import annotations
@@ -24,6 +24,13 @@ import time
 from resilience.goodput.ledger import process_start_time
 from resilience.recovery import inplace
 
+
+def _pool_nice() -> int | None:
+    """The CPU priority of the thread ``preload_probe`` started as it was imported, where a spare preloaded it."""
+    probe = sys.modules.get("tests.workers.preload_probe")
+    return None if probe is None else os.getpriority(os.PRIO_PROCESS, probe.POOL_THREAD)
+
+
 rank, generation = int(os.environ["RANK"]), inplace.generation()
 print(
     "PROBE "
@@ -36,6 +43,7 @@ print(
             "began": float(os.environ["RESILIENCE_GENERATION_BEGAN"]),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),  # this thread's: the one that runs the rank
             "preload_nice": getattr(sys.modules.get("tests.workers.preload_probe"), "NICE", None),
+            "pool_nice": _pool_nice(),
         }
     ),
     flush=True,
