@@ -38,7 +38,8 @@ def preload(modules: Iterable[str]) -> None:
 
 def _imports(names: list[str], lower: bool) -> None:
     if lower:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
+        with contextlib.suppress(OSError):  # then at the process's own priority
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
     for name in names:
         try:
             __import__(name)
