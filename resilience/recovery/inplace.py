@@ -50,6 +50,7 @@ EXIT_INTERRUPTED = 130
 # A configuration error (the pack's ConfigError): the same command fails the same way, so it ends the job rather
 # than being run again; 2, as for usage errors (argparse's, the resilience command's).
 EXIT_CONFIG_ERROR = 2
+STORE_TIMEOUT_S = 60.0  # a rank's wait for the launcher's store to answer, its first connection included
 NEXT_GENERATION_WAIT_S = 600.0  # how long survivors wait for the launcher to replace the lost rank
 
 
@@ -200,7 +201,7 @@ def store() -> Any:
         from torch.distributed import TCPStore
 
         host, _, port = os.environ[ENV_STORE].rpartition(":")
-        _store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+        _store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
     return _store
 
 

@@ -41,6 +41,7 @@ from resilience.recovery.inplace import (
     ENV_MARKS,
     ENV_STOP_CODES,
     ENV_STORE,
+    STORE_TIMEOUT_S,
     Generation,
     Target,
     evict_key,
@@ -60,7 +61,7 @@ from resilience.recovery.spares import Spares
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
-STORE_DELAY_MAX_S = 30.0  # one node's store opens this soon at the latest: a rank waits 60 s to connect to it
+STORE_DELAY_MAX_S = STORE_TIMEOUT_S / 2  # one node's store opens this soon at the latest, well within a rank's wait
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
